@@ -1,0 +1,27 @@
+use thiserror::Error;
+
+/// Errors of the shared layer: configuration, envelopes and migrations.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CoreError {
+    /// A table name given in configuration is not a safe SQL identifier.
+    #[error("invalid identifier {name:?}: {reason}")]
+    InvalidIdentifier {
+        /// The rejected name, as given.
+        name: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+    /// A field of an event is empty or otherwise unusable.
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
+    /// The payload could not be serialized to JSON.
+    #[error("payload is not serializable to JSON: {0}")]
+    Payload(#[from] serde_json::Error),
+    /// Applying the migrations failed.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A database error.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}

@@ -1,0 +1,27 @@
+//! Shared layer of the outbox framework: the event envelope, the wire contract, table names
+//! and the migrations that create every table the framework uses.
+//!
+//! # Delivery semantics
+//! The producer side (`outbox-producer`) writes an event in the same Postgres transaction as
+//! the state change that decided it, so both commit or neither does; its relay publishes each
+//! committed event to Kafka **at least once**, in order per aggregate id. The consumer side
+//! (`outbox-consumer`) records each event id in its own transaction with the handler's state,
+//! so the **effect** of an event happens once per consumer even though delivery may repeat.
+//!
+//! ```no_run
+//! # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_core::CoreError> {
+//! outbox_core::migrate(&pool).await?;
+//! # Ok(()) }
+//! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod envelope;
+mod error;
+mod ident;
+mod migrate;
+pub mod wire;
+
+pub use envelope::{Envelope, EventId, NewEvent};
+pub use error::CoreError;
+pub use ident::{Ident, TableNames};
+pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};

@@ -1,1 +1,39 @@
-//! Placeholder
+//! Producer side of the outbox framework: write decided events in the same Postgres
+//! transaction as the state change ([`Outbox::enqueue`]), and relay committed events to Kafka
+//! ([`Relay`]).
+//!
+//! # Delivery semantics
+//! - **Atomic intent**: an event is in the outbox if and only if the transaction that wrote
+//!   it committed. Recovery replays the stored event; nothing re-decides it.
+//! - **At least once**: a row is marked published only after Kafka acknowledged it
+//!   (`acks=all`). A crash between the acknowledgement and the mark republishes the same
+//!   event id; consumers deduplicate on it (see `outbox-consumer`).
+//! - **Order per aggregate id** (the Kafka key), with one relay or many: see [`relay`].
+//! - **Poison rows never stall the outbox**: permanent failures are quarantined at once,
+//!   transient ones after `max_attempts` with backoff; other keys keep flowing.
+//!
+//! ```no_run
+//! # async fn doc(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox_producer::{Relay, RelayConfig, producer_config};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! outbox_producer::migrate(&pool).await?;
+//! let relay = Relay::new(pool, &producer_config("127.0.0.1:9092"), RelayConfig::default())?;
+//! let shutdown = CancellationToken::new();
+//! tokio::spawn({ let relay = relay.clone(); let shutdown = shutdown.clone(); async move { relay.run(shutdown).await } });
+//! // ... later
+//! shutdown.cancel();
+//! # Ok(()) }
+//! ```
+
+mod enqueue;
+mod error;
+mod maintenance;
+pub mod relay;
+mod sql;
+
+pub use enqueue::{Outbox, enqueue, enqueue_all};
+pub use error::ProducerError;
+pub use maintenance::{OutboxStats, prune_published, stats};
+pub use outbox_core::{EventId, MIGRATOR, NewEvent, TableNames, migrate, wire};
+pub use relay::{AfterPublish, BatchReport, QuarantinePolicy, Relay, RelayConfig, producer_config};

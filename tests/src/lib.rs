@@ -1,1 +1,224 @@
-//! helpers
+//! Helpers for the end-to-end tests: an isolated Postgres schema per test and random topics on
+//! the real broker. The services come from `scripts/services.sh`; the addresses from
+//! `OUTBOX_TEST_DATABASE_URL` and `OUTBOX_TEST_KAFKA`.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// The Postgres database the tests use; each test gets its own schema in it.
+pub fn database_url() -> String {
+    std::env::var("OUTBOX_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_test".into())
+}
+
+/// The broker's bootstrap address.
+pub fn kafka_bootstrap() -> String {
+    std::env::var("OUTBOX_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// A short random suffix for schema and topic names.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Installs a `tracing` subscriber once (`RUST_LOG` filters it).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// A fresh schema with the framework's tables; its pool resolves tables there.
+#[derive(Debug, Clone)]
+pub struct TestDb {
+    /// Connections whose `search_path` is the test's schema.
+    pub pool: PgPool,
+    /// The schema's name.
+    pub schema: String,
+}
+
+impl TestDb {
+    /// Creates the schema and runs the migrations in it.
+    pub async fn new() -> Result<Self> {
+        Self::with_pool_size(8).await
+    }
+
+    /// Same, with a pool of `size` connections.
+    pub async fn with_pool_size(size: u32) -> Result<Self> {
+        init_tracing();
+        let schema = unique("t");
+        let base = PgConnectOptions::from_str(&database_url())?;
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(base.clone())
+            .await
+            .context("connecting to the test database (run scripts/test, which starts it)")?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await?;
+        admin.close().await;
+        let pool = PgPoolOptions::new()
+            .max_connections(size)
+            .connect_with(base.options([("search_path", schema.as_str())]))
+            .await?;
+        outbox_core::migrate(&pool).await?;
+        Ok(Self { pool, schema })
+    }
+}
+
+/// Creates `topic` with `partitions` partitions on the broker (tansu does not auto-create).
+pub async fn create_topic(topic: &str, partitions: i32) -> Result<()> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .create()?;
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((name, code)) => bail!("creating topic {name}: {code}"),
+        }
+    }
+    Ok(())
+}
+
+/// A random topic name, created with `partitions` partitions.
+pub async fn random_topic(partitions: i32) -> Result<String> {
+    let topic = unique("outbox.test");
+    create_topic(&topic, partitions).await?;
+    Ok(topic)
+}
+
+/// One record read back from the broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Partition it landed in.
+    pub partition: i32,
+    /// Offset in that partition.
+    pub offset: i64,
+    /// Key as UTF-8.
+    pub key: String,
+    /// Value as UTF-8.
+    pub payload: String,
+    /// Headers as UTF-8.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Record {
+    /// The `id` header.
+    pub fn id(&self) -> &str {
+        self.headers.get("id").map_or("", String::as_str)
+    }
+}
+
+/// Reads `topic` from the beginning of every partition until `expected` records arrived or
+/// `timeout` passed, and returns what was read (per partition, in offset order).
+pub fn read_topic(
+    topic: &str,
+    partitions: i32,
+    expected: usize,
+    timeout: Duration,
+) -> Result<Vec<Record>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .create()?;
+    let mut assignment = TopicPartitionList::new();
+    for p in 0..partitions {
+        assignment.add_partition_offset(topic, p, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let deadline = Instant::now() + timeout;
+    let mut records = Vec::new();
+    while records.len() < expected && Instant::now() < deadline {
+        let Some(message) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
+        let message = message?;
+        let text = |b: Option<&[u8]>| String::from_utf8_lossy(b.unwrap_or_default()).into_owned();
+        let headers = message
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_owned(), text(h.value)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        records.push(Record {
+            partition: message.partition(),
+            offset: message.offset(),
+            key: text(message.key()),
+            payload: text(message.payload()),
+            headers,
+        });
+    }
+    Ok(records)
+}
+
+/// Reads everything in `topic` up to each partition's current high watermark: the whole
+/// topic as of now, duplicates included.
+pub fn read_all(topic: &str, partitions: i32, timeout: Duration) -> Result<Vec<Record>> {
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .create()?;
+    let mut total = 0;
+    for p in 0..partitions {
+        let (low, high) = probe.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        total += usize::try_from(high - low)?;
+    }
+    let records = read_topic(topic, partitions, total, timeout)?;
+    if records.len() != total {
+        bail!(
+            "{topic} holds {total} records but {} were read",
+            records.len()
+        );
+    }
+    Ok(records)
+}
+
+/// Awaits `condition` (checked every 20 ms) for up to `timeout`; fails with `what` if it never
+/// holds.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut condition: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Rows of the test's outbox with `status`.
+pub async fn count_status(pool: &PgPool, status: &str) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE status = $1")
+            .bind(status)
+            .fetch_one(pool)
+            .await?,
+    )
+}

@@ -1,0 +1,144 @@
+use std::sync::Arc;
+
+use outbox_core::{EventId, NewEvent, TableNames};
+use sqlx::PgConnection;
+
+use crate::ProducerError;
+use crate::sql::EnqueueSql;
+
+/// Writes events into the outbox, on the caller's connection and inside the caller's
+/// transaction. Cheap to clone; build one at startup and share it.
+///
+/// ```no_run
+/// # async fn doc(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_producer::{NewEvent, Outbox};
+///
+/// let outbox = Outbox::default();
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("UPDATE invoices SET state = 'decided' WHERE id = $1")
+///     .bind(42_i64)
+///     .execute(&mut *tx)
+///     .await?;
+/// let event = NewEvent::new("invoice", "42", "InvoiceDecided", &serde_json::json!({"cents": 1200}))?;
+/// outbox.enqueue(&mut tx, &event).await?;
+/// tx.commit().await?; // the state change and the event commit together, or not at all
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    sql: Arc<EnqueueSql>,
+    lock_per_key: bool,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new(&TableNames::default())
+    }
+}
+
+impl Outbox {
+    /// An outbox writing to `names.outbox`, with per-key locking on.
+    pub fn new(names: &TableNames) -> Self {
+        Self {
+            sql: Arc::new(EnqueueSql::new(&names.outbox)),
+            lock_per_key: true,
+        }
+    }
+
+    /// Whether `enqueue` takes a transaction-scoped advisory lock on the aggregate id (on by
+    /// default). With it, two transactions writing events for one aggregate are serialized,
+    /// so the outbox order of that aggregate is its commit order. Turn it off only when a
+    /// single writer per aggregate is guaranteed otherwise (for example by a row lock on the
+    /// aggregate that the transaction already holds).
+    pub fn lock_per_key(mut self, on: bool) -> Self {
+        self.lock_per_key = on;
+        self
+    }
+
+    /// Writes `event`. Run it inside the transaction that makes the state change: it commits
+    /// or rolls back with it. Takes `&mut PgConnection`, so `&mut tx` (or `&mut *tx`) works.
+    pub async fn enqueue(
+        &self,
+        conn: &mut PgConnection,
+        event: &NewEvent,
+    ) -> Result<EventId, ProducerError> {
+        let statement = if self.lock_per_key {
+            &self.sql.insert_locked
+        } else {
+            &self.sql.insert_unlocked
+        };
+        sqlx::query(statement.clone())
+            .bind(event.id())
+            .bind(event.aggregate_type())
+            .bind(event.aggregate_id())
+            .bind(event.event_type())
+            .bind(event.payload())
+            .bind(headers_json(event))
+            .bind(event.topic())
+            .execute(conn)
+            .await?;
+        Ok(event.id())
+    }
+
+    /// Writes `events` in one statement, in the given order.
+    pub async fn enqueue_all(
+        &self,
+        conn: &mut PgConnection,
+        events: &[NewEvent],
+    ) -> Result<Vec<EventId>, ProducerError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let statement = if self.lock_per_key {
+            &self.sql.insert_many_locked
+        } else {
+            &self.sql.insert_many_unlocked
+        };
+        let column =
+            |f: fn(&NewEvent) -> &str| events.iter().map(|e| f(e).to_owned()).collect::<Vec<_>>();
+        sqlx::query(statement.clone())
+            .bind(events.iter().map(|e| *e.id().as_uuid()).collect::<Vec<_>>())
+            .bind(column(NewEvent::aggregate_type))
+            .bind(column(NewEvent::aggregate_id))
+            .bind(column(NewEvent::event_type))
+            .bind(
+                events
+                    .iter()
+                    .map(|e| e.payload().clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(events.iter().map(headers_json).collect::<Vec<_>>())
+            .bind(column(NewEvent::topic))
+            .execute(conn)
+            .await?;
+        Ok(events.iter().map(NewEvent::id).collect())
+    }
+}
+
+fn headers_json(event: &NewEvent) -> serde_json::Value {
+    serde_json::Value::Object(
+        event
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect(),
+    )
+}
+
+/// [`Outbox::enqueue`] on the default table.
+pub async fn enqueue(conn: &mut PgConnection, event: &NewEvent) -> Result<EventId, ProducerError> {
+    default_outbox().enqueue(conn, event).await
+}
+
+/// [`Outbox::enqueue_all`] on the default table.
+pub async fn enqueue_all(
+    conn: &mut PgConnection,
+    events: &[NewEvent],
+) -> Result<Vec<EventId>, ProducerError> {
+    default_outbox().enqueue_all(conn, events).await
+}
+
+fn default_outbox() -> &'static Outbox {
+    static DEFAULT: std::sync::OnceLock<Outbox> = std::sync::OnceLock::new();
+    DEFAULT.get_or_init(Outbox::default)
+}

@@ -1,0 +1,475 @@
+//! The producer half end to end: real Postgres, real tansu broker.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_producer::{
+    BatchReport, EventId, NewEvent, Outbox, ProducerError, QuarantinePolicy, Relay, RelayConfig,
+    TableNames, producer_config,
+};
+use outbox_tests::{
+    TestDb, count_status, eventually, kafka_bootstrap, random_topic, read_all, unique,
+};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn relay(db: &TestDb, config: RelayConfig) -> Result<Relay> {
+    Ok(Relay::new(
+        db.pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        config,
+    )?)
+}
+
+fn event(topic: &str, key: &str, n: usize) -> Result<NewEvent> {
+    Ok(
+        NewEvent::new("order", key, "OrderChanged", &json!({ "key": key, "n": n }))?
+            .with_topic(topic)?,
+    )
+}
+
+/// Runs batches until one claims nothing; returns the sum of the reports.
+async fn drain(relay: &Relay) -> Result<BatchReport> {
+    let mut total = BatchReport::default();
+    loop {
+        let r = relay.run_once().await?;
+        if r.claimed == 0 {
+            return Ok(total);
+        }
+        total.claimed += r.claimed;
+        total.published += r.published;
+        total.retried += r.retried;
+        total.quarantined += r.quarantined;
+        total.deferred += r.deferred;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_publishes_and_rollback_publishes_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, state TEXT NOT NULL)")
+        .execute(&db.pool)
+        .await?;
+    let outbox = Outbox::default();
+
+    let committed = NewEvent::new(
+        "invoice",
+        "inv-1",
+        "InvoiceDecided",
+        &json!({ "cents": 1200 }),
+    )?
+    .with_topic(&topic)?
+    .with_header("tenant", "acme")?;
+    let mut tx = db.pool.begin().await?;
+    sqlx::query("INSERT INTO invoices VALUES ('inv-1', 'decided')")
+        .execute(&mut *tx)
+        .await?;
+    outbox.enqueue(&mut tx, &committed).await?;
+    tx.commit().await?;
+
+    let mut tx = db.pool.begin().await?;
+    sqlx::query("INSERT INTO invoices VALUES ('inv-2', 'decided')")
+        .execute(&mut *tx)
+        .await?;
+    outbox.enqueue(&mut tx, &event(&topic, "inv-2", 0)?).await?;
+    tx.rollback().await?;
+
+    let report = drain(&relay(&db, RelayConfig::default())?).await?;
+    assert_eq!((report.claimed, report.published), (1, 1));
+
+    let records = read_all(&topic, 1, READ_TIMEOUT)?;
+    assert_eq!(
+        records.len(),
+        1,
+        "only the committed event is published: {records:?}"
+    );
+    let r = &records[0];
+    assert_eq!(r.key, "inv-1");
+    assert_eq!(r.id(), committed.id().to_string());
+    assert_eq!(
+        r.headers.get("type").map(String::as_str),
+        Some("InvoiceDecided")
+    );
+    assert_eq!(r.headers.get("tenant").map(String::as_str), Some("acme"));
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&r.payload)?,
+        json!({ "cents": 1200 })
+    );
+    let states: Vec<String> = sqlx::query_scalar("SELECT id FROM invoices")
+        .fetch_all(&db.pool)
+        .await?;
+    assert_eq!(
+        states,
+        ["inv-1"],
+        "state and intent commit and roll back together"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_ack_before_mark_republishes_same_ids_and_loses_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(2).await?;
+    let events = (0..20)
+        .map(|n| event(&topic, &format!("k{}", n % 3), n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tx = db.pool.begin().await?;
+    let ids = outbox_producer::enqueue_all(&mut tx, &events).await?;
+    tx.commit().await?;
+
+    let relay = relay(&db, RelayConfig::default())?;
+    relay.crash_after_next_ack();
+    let crashed = relay.run_once().await;
+    assert!(
+        matches!(crashed, Err(ProducerError::InjectedFault(_))),
+        "{crashed:?}"
+    );
+    assert_eq!(
+        count_status(&db.pool, "pending").await?,
+        20,
+        "nothing is marked without the commit"
+    );
+    assert_eq!(
+        read_all(&topic, 2, READ_TIMEOUT)?.len(),
+        20,
+        "the broker had acknowledged the batch"
+    );
+
+    let report = drain(&relay).await?;
+    assert_eq!(report.published, 20);
+    assert_eq!(count_status(&db.pool, "published").await?, 20);
+
+    let records = read_all(&topic, 2, READ_TIMEOUT)?;
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for r in &records {
+        *seen.entry(r.id()).or_default() += 1;
+    }
+    let expected: HashSet<String> = ids.iter().map(EventId::to_string).collect();
+    let got: HashSet<String> = seen.keys().map(|s| (*s).to_owned()).collect();
+    assert_eq!(got, expected, "every event id is on the topic");
+    assert!(
+        seen.values().all(|&n| n == 2),
+        "each id was published twice (once per attempt): {seen:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_key_order_holds_with_three_relays_and_concurrent_writers() -> Result<()> {
+    const KEYS: usize = 120;
+    const WRITERS: usize = 4;
+    const PER_WRITER: usize = 2_600;
+    const PARTITIONS: i32 = 4;
+    let db = TestDb::with_pool_size(16).await?;
+    let topic = random_topic(PARTITIONS).await?;
+
+    let shutdown = CancellationToken::new();
+    let config = RelayConfig::default()
+        .batch_size(250)
+        .poll_interval(Duration::from_millis(100));
+    let relays = (0..3)
+        .map(|_| {
+            let relay = relay(&db, config.clone())?;
+            let shutdown = shutdown.clone();
+            Ok(tokio::spawn(async move { relay.run(shutdown).await }))
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let writers = (0..WRITERS)
+        .map(|w| {
+            let pool = db.pool.clone();
+            let topic = topic.clone();
+            tokio::spawn(async move {
+                for chunk in 0..PER_WRITER / 50 {
+                    let events = (0..50)
+                        .map(|i| {
+                            let n = w * PER_WRITER + chunk * 50 + i;
+                            event(&topic, &format!("key-{}", (n * 7919) % KEYS), n)
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    let mut tx = pool.begin().await?;
+                    outbox_producer::enqueue_all(&mut tx, &events).await?;
+                    tx.commit().await?;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect::<Vec<_>>();
+    for w in writers {
+        w.await??;
+    }
+    let total = (WRITERS * PER_WRITER) as i64;
+    eventually("the outbox drains", Duration::from_secs(120), || async {
+        Ok(count_status(&db.pool, "published").await? == total)
+    })
+    .await?;
+    shutdown.cancel();
+    for r in relays {
+        r.await??;
+    }
+
+    // The outbox order per key (sequence order, which the per-key lock makes commit order)...
+    let rows: Vec<(uuid::Uuid, String)> =
+        sqlx::query_as("SELECT id, aggregateid FROM outbox_events ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await?;
+    let mut expected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (id, key) in rows {
+        expected.entry(key).or_default().push(id.to_string());
+    }
+    // ...is the order on the topic, read back by a plain Kafka consumer.
+    let records = read_all(&topic, PARTITIONS, Duration::from_secs(60))?;
+    let mut partition_of: HashMap<&str, i32> = HashMap::new();
+    let mut actual: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut seen = HashSet::new();
+    for r in &records {
+        let p = *partition_of.entry(r.key.as_str()).or_insert(r.partition);
+        assert_eq!(p, r.partition, "key {} spans partitions", r.key);
+        if seen.insert(r.id().to_owned()) {
+            actual
+                .entry(r.key.clone())
+                .or_default()
+                .push(r.id().to_owned());
+        }
+    }
+    assert_eq!(seen.len() as i64, total, "every event was published");
+    assert_eq!(expected.len(), KEYS);
+    for (key, ids) in &expected {
+        assert_eq!(actual.get(key), Some(ids), "order of key {key}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_row_is_quarantined_at_once_and_other_rows_flow() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let big = NewEvent::new("order", "a", "Big", &json!({ "blob": "x".repeat(20_000) }))?
+        .with_topic(&topic)?;
+    let events = vec![
+        event(&topic, "b", 1)?,
+        big.clone(),
+        event(&topic, "a", 2)?,
+        event(&topic, "c", 3)?,
+    ];
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue_all(&mut tx, &events).await?;
+    tx.commit().await?;
+
+    let mut kafka = producer_config(&kafka_bootstrap());
+    kafka.set("message.max.bytes", "10000");
+    let relay = Relay::new(db.pool.clone(), &kafka, RelayConfig::default())?;
+    let report = drain(&relay).await?;
+    assert_eq!(report.quarantined, 1);
+    assert_eq!(
+        report.published, 3,
+        "b, c and a's later row (default policy skips quarantined rows)"
+    );
+
+    let (status, attempts, error): (String, i32, String) =
+        sqlx::query_as("SELECT status, attempts, last_error FROM outbox_events WHERE id = $1")
+            .bind(big.id())
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!((status.as_str(), attempts), ("quarantined", 1));
+    assert!(
+        error.contains("Permanent") && error.contains("MessageSizeTooLarge"),
+        "{error}"
+    );
+    let keys: Vec<String> = read_all(&topic, 1, READ_TIMEOUT)?
+        .into_iter()
+        .map(|r| r.key)
+        .collect();
+    assert_eq!(keys, ["b", "a", "c"]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failure_retries_with_backoff_then_quarantines_while_others_flow() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let missing_topic = unique("outbox.missing");
+    let doomed = event(&missing_topic, "a", 0)?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue(&mut tx, &doomed).await?;
+    outbox_producer::enqueue_all(&mut tx, &[event(&topic, "a", 1)?, event(&topic, "b", 2)?])
+        .await?;
+    tx.commit().await?;
+
+    let mut kafka = producer_config(&kafka_bootstrap());
+    kafka.set("message.timeout.ms", "1500");
+    let config = RelayConfig::default()
+        .max_attempts(3)
+        .backoff(Duration::from_millis(50), Duration::from_millis(200))
+        .quarantine_policy(QuarantinePolicy::BlockKey);
+    let relay = Relay::new(db.pool.clone(), &kafka, config)?;
+
+    let first = relay.run_once().await?;
+    assert_eq!(
+        (first.published, first.retried),
+        (1, 1),
+        "b flows while a's head row fails: {first:?}"
+    );
+    let state = || async {
+        Ok::<_, anyhow::Error>(
+            sqlx::query_as::<_, (String, i32, Option<String>)>(
+                "SELECT status, attempts, last_error FROM outbox_events WHERE id = $1",
+            )
+            .bind(doomed.id())
+            .fetch_one(&db.pool)
+            .await?,
+        )
+    };
+    let (status, attempts, error) = state().await?;
+    assert_eq!((status.as_str(), attempts), ("pending", 1));
+    assert!(error.unwrap_or_default().contains("Transient"));
+    let next_attempt_in_future: bool =
+        sqlx::query_scalar("SELECT next_attempt_at > now() FROM outbox_events WHERE id = $1")
+            .bind(doomed.id())
+            .fetch_one(&db.pool)
+            .await?;
+    assert!(next_attempt_in_future, "a failed row waits for its backoff");
+
+    eventually(
+        "the failing row is quarantined",
+        Duration::from_secs(30),
+        || async {
+            relay.run_once().await?;
+            Ok(state().await?.0 == "quarantined")
+        },
+    )
+    .await?;
+    assert_eq!(state().await?.1, 3, "quarantined after max_attempts");
+    drain(&relay).await?;
+    let keys: Vec<String> = read_all(&topic, 1, READ_TIMEOUT)?
+        .into_iter()
+        .map(|r| r.key)
+        .collect();
+    assert_eq!(
+        keys,
+        ["b"],
+        "under BlockKey, a's later row waits behind its quarantined head"
+    );
+    assert_eq!(count_status(&db.pool, "pending").await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_in_flight_batches_and_loses_nothing() -> Result<()> {
+    const N: usize = 3_000;
+    let db = TestDb::new().await?;
+    let topic = random_topic(2).await?;
+    let events = (0..N)
+        .map(|n| event(&topic, &format!("k{}", n % 50), n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue_all(&mut tx, &events).await?;
+    tx.commit().await?;
+
+    let relay = relay(&db, RelayConfig::default().batch_size(100))?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (relay, shutdown) = (relay.clone(), shutdown.clone());
+        async move { relay.run(shutdown).await }
+    });
+    eventually(
+        "some rows are published",
+        Duration::from_secs(30),
+        || async { Ok(count_status(&db.pool, "published").await? > 0) },
+    )
+    .await?;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), running).await???;
+
+    let published: HashSet<String> = sqlx::query_scalar::<_, uuid::Uuid>(
+        "SELECT id FROM outbox_events WHERE status = 'published'",
+    )
+    .fetch_all(&db.pool)
+    .await?
+    .into_iter()
+    .map(|id| id.to_string())
+    .collect();
+    let pending = count_status(&db.pool, "pending").await?;
+    assert_eq!(
+        published.len() as i64 + pending,
+        N as i64,
+        "every row is either published or still pending"
+    );
+    let on_topic: HashSet<String> = read_all(&topic, 2, READ_TIMEOUT)?
+        .iter()
+        .map(|r| r.id().to_owned())
+        .collect();
+    assert!(
+        published.is_subset(&on_topic),
+        "every row marked published is on the topic"
+    );
+
+    drain(&relay).await?;
+    let on_topic: HashSet<String> = read_all(&topic, 2, READ_TIMEOUT)?
+        .iter()
+        .map(|r| r.id().to_owned())
+        .collect();
+    assert_eq!(on_topic.len(), N, "after a restart everything is published");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_an_idle_relay() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    // Polling every hour: only NOTIFY can make the second event go out within the test.
+    let relay = relay(
+        &db,
+        RelayConfig::default().poll_interval(Duration::from_secs(3600)),
+    )?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (relay, shutdown) = (relay.clone(), shutdown.clone());
+        async move { relay.run(shutdown).await }
+    });
+    for n in 1..=2 {
+        let mut tx = db.pool.begin().await?;
+        outbox_producer::enqueue(&mut tx, &event(&topic, "k", n)?).await?;
+        tx.commit().await?;
+        eventually(
+            "the event is published",
+            Duration::from_secs(20),
+            || async { Ok(count_status(&db.pool, "published").await? == n as i64) },
+        )
+        .await?;
+    }
+    shutdown.cancel();
+    running.await??;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_table_names_work_and_hostile_names_are_refused() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let names = TableNames::default().with_outbox("billing_outbox")?;
+    outbox_core::migrate_with(&db.pool, &names).await?;
+    let outbox = Outbox::new(&names);
+    let mut tx = db.pool.begin().await?;
+    outbox.enqueue(&mut tx, &event(&topic, "k", 1)?).await?;
+    tx.commit().await?;
+    let relay = relay(&db, RelayConfig::default().tables(names))?;
+    assert_eq!(drain(&relay).await?.published, 1);
+    assert_eq!(
+        count_status(&db.pool, "published").await?,
+        0,
+        "the default table was not used"
+    );
+    assert_eq!(read_all(&topic, 1, READ_TIMEOUT)?.len(), 1);
+
+    let hostile = TableNames::default().with_outbox("x; DROP TABLE outbox_events; --");
+    assert!(matches!(
+        hostile,
+        Err(outbox_core::CoreError::InvalidIdentifier { .. })
+    ));
+    Ok(())
+}

@@ -1,1 +1,50 @@
-//! Placeholder
+//! Consumer side of the outbox framework: [`dedup_consume`] runs a handler **once per
+//! (consumer name, event id)** however often Kafka delivers the event.
+//!
+//! # Delivery semantics
+//! Kafka delivers at least once. For each message the consumer checks an in-memory cache of
+//! recent ids, then, in one Postgres transaction, inserts the id into a dedup table and runs
+//! the handler on that same transaction. Commit makes the handler's state and "seen" durable
+//! together; a rollback undoes both. The offset is stored only after that commit (or after a
+//! skip), so a crash anywhere redelivers, and the redelivery is recognised as a duplicate.
+//! Side effects outside Postgres (an HTTP call, an email) cannot join the transaction: pass
+//! [`Event::idempotency_key`] to them.
+//!
+//! Messages that break the wire contract or the configured limits, and messages whose handler
+//! keeps failing (under the default [`HandlerFailurePolicy::Quarantine`]), are stored whole in
+//! a quarantine table with the reason, and the partition moves on.
+//!
+//! Dedup rows live until [`prune`] removes them; see its docs for choosing the TTL.
+//!
+//! ```no_run
+//! # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
+//! use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! let kafka = consumer_config("127.0.0.1:9092", "billing");
+//! let shutdown = CancellationToken::new();
+//! dedup_consume(&kafka, &["outbox.event.invoice"], pool, ConsumerConfig::default(),
+//!     |event: &Event<serde_json::Value>, tx| Box::pin(async move {
+//!         sqlx::query("INSERT INTO seen (id) VALUES ($1)").bind(event.id).execute(&mut **tx).await?;
+//!         Ok(())
+//!     }),
+//!     shutdown,
+//! ).await
+//! # }
+//! ```
+
+mod config;
+mod dedup;
+mod error;
+mod event;
+mod prune;
+mod runner;
+mod sql;
+
+pub use config::{ConsumerConfig, HandlerFailurePolicy};
+pub use dedup::{ConsumerStats, DedupConsumer, HandlerError, HandlerFuture, Outcome};
+pub use error::ConsumerError;
+pub use event::Event;
+pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};
+pub use prune::prune;
+pub use runner::{consumer_config, dedup_consume};

@@ -25,3 +25,7 @@ CREATE TABLE outbox_consumer_quarantine (
 );
 
 CREATE INDEX outbox_consumer_quarantine_consumer_idx ON outbox_consumer_quarantine (consumer, id);
+
+-- A redelivered poison message is quarantined once.
+CREATE UNIQUE INDEX outbox_consumer_quarantine_position_idx
+    ON outbox_consumer_quarantine (consumer, topic, partition, "offset");

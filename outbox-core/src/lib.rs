@@ -19,9 +19,11 @@ mod envelope;
 mod error;
 mod ident;
 mod migrate;
+mod retry;
 pub mod wire;
 
 pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
 pub use ident::{Ident, TableNames};
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};
+pub use retry::backoff;

@@ -92,15 +92,17 @@ impl RelaySql {
                       AND p.seq NOT IN (SELECT seq FROM claimed)) \
                  ORDER BY e.seq"
             )),
+            // clock_timestamp(), not now(): the transaction began before the (possibly slow)
+            // publish, and a retry time computed from its start could already be past.
             mark_published: sql(format!(
-                "UPDATE {table} SET status = 'published', published_at = now(), \
+                "UPDATE {table} SET status = 'published', published_at = clock_timestamp(), \
                         attempts = attempts + 1, last_error = NULL \
                  WHERE seq = ANY($1)"
             )),
             delete_published: sql(format!("DELETE FROM {table} WHERE seq = ANY($1)")),
             record_failures: sql(format!(
                 "UPDATE {table} AS e SET attempts = e.attempts + 1, status = f.status, \
-                        next_attempt_at = now() + f.delay_ms * interval '1 millisecond', \
+                        next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
                         last_error = f.error \
                  FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[]) \
                       AS f(seq, status, delay_ms, error) \

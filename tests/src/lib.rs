@@ -2,7 +2,7 @@
 //! the real broker. The services come from `scripts/services.sh`; the addresses from
 //! `OUTBOX_TEST_DATABASE_URL` and `OUTBOX_TEST_KAFKA`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,8 @@ use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
@@ -128,14 +129,7 @@ impl Record {
     }
 }
 
-/// Reads `topic` from the beginning of every partition until `expected` records arrived or
-/// `timeout` passed, and returns what was read (per partition, in offset order).
-pub fn read_topic(
-    topic: &str,
-    partitions: i32,
-    expected: usize,
-    timeout: Duration,
-) -> Result<Vec<Record>> {
+fn reader(topic: &str, partitions: i32) -> Result<BaseConsumer> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", kafka_bootstrap())
         .set("group.id", unique("reader"))
@@ -146,52 +140,82 @@ pub fn read_topic(
         assignment.add_partition_offset(topic, p, Offset::Beginning)?;
     }
     consumer.assign(&assignment)?;
-    let deadline = Instant::now() + timeout;
-    let mut records = Vec::new();
-    while records.len() < expected && Instant::now() < deadline {
-        let Some(message) = consumer.poll(Duration::from_millis(200)) else {
-            continue;
-        };
-        let message = message?;
+    Ok(consumer)
+}
+
+impl Record {
+    fn from_message(message: &impl Message) -> Self {
         let text = |b: Option<&[u8]>| String::from_utf8_lossy(b.unwrap_or_default()).into_owned();
-        let headers = message
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| (h.key.to_owned(), text(h.value)))
-                    .collect()
-            })
-            .unwrap_or_default();
-        records.push(Record {
+        Self {
             partition: message.partition(),
             offset: message.offset(),
             key: text(message.key()),
             payload: text(message.payload()),
-            headers,
-        });
+            headers: message
+                .headers()
+                .map(|hs| {
+                    hs.iter()
+                        .map(|h| (h.key.to_owned(), text(h.value)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
     }
-    Ok(records)
 }
 
-/// Reads everything in `topic` up to each partition's current high watermark: the whole
-/// topic as of now, duplicates included.
-pub fn read_all(topic: &str, partitions: i32, timeout: Duration) -> Result<Vec<Record>> {
-    let probe: BaseConsumer = ClientConfig::new()
+/// Header marking the end-of-read markers [`read_all`] writes; such records are never
+/// returned.
+const SENTINEL_HEADER: &str = "outbox-test-sentinel";
+
+/// Reads everything in `topic` as of now, duplicates included, in offset order per partition.
+///
+/// It first appends a marker record to every partition, then reads until it has met each
+/// marker, so it neither waits for a fixed time nor relies on watermarks.
+pub async fn read_all(topic: &str, partitions: i32, timeout: Duration) -> Result<Vec<Record>> {
+    let token = uuid::Uuid::new_v4().to_string();
+    let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", kafka_bootstrap())
         .create()?;
-    let mut total = 0;
     for p in 0..partitions {
-        let (low, high) = probe.fetch_watermarks(topic, p, Duration::from_secs(10))?;
-        total += usize::try_from(high - low)?;
+        let headers = OwnedHeaders::new().insert(Header {
+            key: SENTINEL_HEADER,
+            value: Some(&token),
+        });
+        producer
+            .send(
+                FutureRecord::<(), ()>::to(topic)
+                    .partition(p)
+                    .headers(headers),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)?;
     }
-    let records = read_topic(topic, partitions, total, timeout)?;
-    if records.len() != total {
-        bail!(
-            "{topic} holds {total} records but {} were read",
-            records.len()
-        );
-    }
-    Ok(records)
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer = reader(&topic, partitions)?;
+        let deadline = Instant::now() + timeout;
+        let mut open: HashSet<i32> = (0..partitions).collect();
+        let mut records = Vec::new();
+        while !open.is_empty() {
+            if Instant::now() >= deadline {
+                bail!("timed out reading {topic}: partitions {open:?} not read to the end");
+            }
+            let Some(message) = consumer.poll(Duration::from_millis(200)) else {
+                continue;
+            };
+            let record = Record::from_message(&message?);
+            match record.headers.get(SENTINEL_HEADER) {
+                Some(t) if *t == token => {
+                    open.remove(&record.partition);
+                }
+                Some(_) => {}
+                None => records.push(record),
+            }
+        }
+        Ok(records)
+    })
+    .await?
 }
 
 /// Awaits `condition` (checked every 20 ms) for up to `timeout`; fails with `what` if it never

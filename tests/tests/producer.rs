@@ -81,7 +81,7 @@ async fn commit_publishes_and_rollback_publishes_nothing() -> Result<()> {
     let report = drain(&relay(&db, RelayConfig::default())?).await?;
     assert_eq!((report.claimed, report.published), (1, 1));
 
-    let records = read_all(&topic, 1, READ_TIMEOUT)?;
+    let records = read_all(&topic, 1, READ_TIMEOUT).await?;
     assert_eq!(
         records.len(),
         1,
@@ -134,7 +134,7 @@ async fn crash_after_ack_before_mark_republishes_same_ids_and_loses_nothing() ->
         "nothing is marked without the commit"
     );
     assert_eq!(
-        read_all(&topic, 2, READ_TIMEOUT)?.len(),
+        read_all(&topic, 2, READ_TIMEOUT).await?.len(),
         20,
         "the broker had acknowledged the batch"
     );
@@ -143,7 +143,7 @@ async fn crash_after_ack_before_mark_republishes_same_ids_and_loses_nothing() ->
     assert_eq!(report.published, 20);
     assert_eq!(count_status(&db.pool, "published").await?, 20);
 
-    let records = read_all(&topic, 2, READ_TIMEOUT)?;
+    let records = read_all(&topic, 2, READ_TIMEOUT).await?;
     let mut seen: HashMap<&str, usize> = HashMap::new();
     for r in &records {
         *seen.entry(r.id()).or_default() += 1;
@@ -222,7 +222,7 @@ async fn per_key_order_holds_with_three_relays_and_concurrent_writers() -> Resul
         expected.entry(key).or_default().push(id.to_string());
     }
     // ...is the order on the topic, read back by a plain Kafka consumer.
-    let records = read_all(&topic, PARTITIONS, Duration::from_secs(60))?;
+    let records = read_all(&topic, PARTITIONS, Duration::from_secs(60)).await?;
     let mut partition_of: HashMap<&str, i32> = HashMap::new();
     let mut actual: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut seen = HashSet::new();
@@ -244,8 +244,11 @@ async fn per_key_order_holds_with_three_relays_and_concurrent_writers() -> Resul
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversized_row_is_quarantined_at_once_and_other_rows_flow() -> Result<()> {
+/// Enqueues b, a (too large for the producer), a, c; drains under `policy`; returns the keys
+/// read back and the state of the oversized row.
+async fn oversized_row_under(
+    policy: QuarantinePolicy,
+) -> Result<(Vec<String>, BatchReport, TestDb)> {
     let db = TestDb::new().await?;
     let topic = random_topic(1).await?;
     let big = NewEvent::new("order", "a", "Big", &json!({ "blob": "x".repeat(20_000) }))?
@@ -262,29 +265,58 @@ async fn oversized_row_is_quarantined_at_once_and_other_rows_flow() -> Result<()
 
     let mut kafka = producer_config(&kafka_bootstrap());
     kafka.set("message.max.bytes", "10000");
-    let relay = Relay::new(db.pool.clone(), &kafka, RelayConfig::default())?;
+    let relay = Relay::new(
+        db.pool.clone(),
+        &kafka,
+        RelayConfig::default().quarantine_policy(policy),
+    )?;
     let report = drain(&relay).await?;
-    assert_eq!(report.quarantined, 1);
-    assert_eq!(
-        report.published, 3,
-        "b, c and a's later row (default policy skips quarantined rows)"
-    );
 
     let (status, attempts, error): (String, i32, String) =
         sqlx::query_as("SELECT status, attempts, last_error FROM outbox_events WHERE id = $1")
             .bind(big.id())
             .fetch_one(&db.pool)
             .await?;
-    assert_eq!((status.as_str(), attempts), ("quarantined", 1));
+    assert_eq!(
+        (status.as_str(), attempts),
+        ("quarantined", 1),
+        "permanent errors are not retried"
+    );
     assert!(
         error.contains("Permanent") && error.contains("MessageSizeTooLarge"),
         "{error}"
     );
-    let keys: Vec<String> = read_all(&topic, 1, READ_TIMEOUT)?
+    let keys = read_all(&topic, 1, READ_TIMEOUT)
+        .await?
         .into_iter()
         .map(|r| r.key)
         .collect();
-    assert_eq!(keys, ["b", "a", "c"]);
+    Ok((keys, report, db))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_row_is_quarantined_at_once_and_its_key_moves_on_by_default() -> Result<()> {
+    let (keys, report, db) = oversized_row_under(QuarantinePolicy::SkipQuarantined).await?;
+    assert_eq!((report.quarantined, report.published), (1, 3), "{report:?}");
+    assert_eq!(
+        report.deferred, 1,
+        "a's later row waits for the batch after its head failed"
+    );
+    assert_eq!(keys, ["b", "c", "a"]);
+    assert_eq!(count_status(&db.pool, "pending").await?, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_row_holds_its_key_back_under_block_key() -> Result<()> {
+    let (keys, report, db) = oversized_row_under(QuarantinePolicy::BlockKey).await?;
+    assert_eq!((report.quarantined, report.published), (1, 2), "{report:?}");
+    assert_eq!(
+        keys,
+        ["b", "c"],
+        "other keys flow; a's later row waits behind its quarantined head"
+    );
+    assert_eq!(count_status(&db.pool, "pending").await?, 1);
     Ok(())
 }
 
@@ -292,11 +324,11 @@ async fn oversized_row_is_quarantined_at_once_and_other_rows_flow() -> Result<()
 async fn transient_failure_retries_with_backoff_then_quarantines_while_others_flow() -> Result<()> {
     let db = TestDb::new().await?;
     let topic = random_topic(1).await?;
-    let missing_topic = unique("outbox.missing");
-    let doomed = event(&missing_topic, "a", 0)?;
+    // Tansu does not auto-create topics: publishing here fails until the topic exists.
+    let doomed = event(&unique("outbox.missing"), "a", 0)?;
     let mut tx = db.pool.begin().await?;
     outbox_producer::enqueue(&mut tx, &doomed).await?;
-    outbox_producer::enqueue_all(&mut tx, &[event(&topic, "a", 1)?, event(&topic, "b", 2)?])
+    outbox_producer::enqueue_all(&mut tx, &[event(&topic, "b", 1)?, event(&topic, "c", 2)?])
         .await?;
     tx.commit().await?;
 
@@ -304,35 +336,29 @@ async fn transient_failure_retries_with_backoff_then_quarantines_while_others_fl
     kafka.set("message.timeout.ms", "1500");
     let config = RelayConfig::default()
         .max_attempts(3)
-        .backoff(Duration::from_millis(50), Duration::from_millis(200))
-        .quarantine_policy(QuarantinePolicy::BlockKey);
+        .backoff(Duration::from_secs(1), Duration::from_secs(2));
     let relay = Relay::new(db.pool.clone(), &kafka, config)?;
 
     let first = relay.run_once().await?;
     assert_eq!(
         (first.published, first.retried),
-        (1, 1),
-        "b flows while a's head row fails: {first:?}"
+        (2, 1),
+        "b and c flow while a fails: {first:?}"
     );
     let state = || async {
         Ok::<_, anyhow::Error>(
-            sqlx::query_as::<_, (String, i32, Option<String>)>(
-                "SELECT status, attempts, last_error FROM outbox_events WHERE id = $1",
+            sqlx::query_as::<_, (String, i32, Option<String>, bool)>(
+                "SELECT status, attempts, last_error, next_attempt_at > now() FROM outbox_events WHERE id = $1",
             )
             .bind(doomed.id())
             .fetch_one(&db.pool)
             .await?,
         )
     };
-    let (status, attempts, error) = state().await?;
+    let (status, attempts, error, waiting) = state().await?;
     assert_eq!((status.as_str(), attempts), ("pending", 1));
     assert!(error.unwrap_or_default().contains("Transient"));
-    let next_attempt_in_future: bool =
-        sqlx::query_scalar("SELECT next_attempt_at > now() FROM outbox_events WHERE id = $1")
-            .bind(doomed.id())
-            .fetch_one(&db.pool)
-            .await?;
-    assert!(next_attempt_in_future, "a failed row waits for its backoff");
+    assert!(waiting, "a failed row waits for its backoff");
 
     eventually(
         "the failing row is quarantined",
@@ -344,17 +370,12 @@ async fn transient_failure_retries_with_backoff_then_quarantines_while_others_fl
     )
     .await?;
     assert_eq!(state().await?.1, 3, "quarantined after max_attempts");
-    drain(&relay).await?;
-    let keys: Vec<String> = read_all(&topic, 1, READ_TIMEOUT)?
+    let keys: Vec<String> = read_all(&topic, 1, READ_TIMEOUT)
+        .await?
         .into_iter()
         .map(|r| r.key)
         .collect();
-    assert_eq!(
-        keys,
-        ["b"],
-        "under BlockKey, a's later row waits behind its quarantined head"
-    );
-    assert_eq!(count_status(&db.pool, "pending").await?, 1);
+    assert_eq!(keys, ["b", "c"]);
     Ok(())
 }
 
@@ -399,7 +420,8 @@ async fn shutdown_finishes_in_flight_batches_and_loses_nothing() -> Result<()> {
         N as i64,
         "every row is either published or still pending"
     );
-    let on_topic: HashSet<String> = read_all(&topic, 2, READ_TIMEOUT)?
+    let on_topic: HashSet<String> = read_all(&topic, 2, READ_TIMEOUT)
+        .await?
         .iter()
         .map(|r| r.id().to_owned())
         .collect();
@@ -409,7 +431,8 @@ async fn shutdown_finishes_in_flight_batches_and_loses_nothing() -> Result<()> {
     );
 
     drain(&relay).await?;
-    let on_topic: HashSet<String> = read_all(&topic, 2, READ_TIMEOUT)?
+    let on_topic: HashSet<String> = read_all(&topic, 2, READ_TIMEOUT)
+        .await?
         .iter()
         .map(|r| r.id().to_owned())
         .collect();
@@ -451,7 +474,9 @@ async fn notify_wakes_an_idle_relay() -> Result<()> {
 async fn custom_table_names_work_and_hostile_names_are_refused() -> Result<()> {
     let db = TestDb::new().await?;
     let topic = random_topic(1).await?;
-    let names = TableNames::default().with_outbox("billing_outbox")?;
+    let names = TableNames::default()
+        .with_outbox("billing_outbox")?
+        .with_consumer_tables("billing_dedup", "billing_quarantine")?;
     outbox_core::migrate_with(&db.pool, &names).await?;
     let outbox = Outbox::new(&names);
     let mut tx = db.pool.begin().await?;
@@ -464,7 +489,7 @@ async fn custom_table_names_work_and_hostile_names_are_refused() -> Result<()> {
         0,
         "the default table was not used"
     );
-    assert_eq!(read_all(&topic, 1, READ_TIMEOUT)?.len(), 1);
+    assert_eq!(read_all(&topic, 1, READ_TIMEOUT).await?.len(), 1);
 
     let hostile = TableNames::default().with_outbox("x; DROP TABLE outbox_events; --");
     assert!(matches!(

@@ -33,15 +33,9 @@ pub(crate) fn classify(error: &KafkaError) -> FailureKind {
     }
 }
 
-/// Delay before retry number `attempts + 1`: exponential from `backoff_base`, capped at
-/// `backoff_max`, scaled by a random factor in [0.5, 1) so that rows failed together do not
-/// retry together.
+/// Delay before retry number `attempts + 1` (see [`outbox_core::backoff`]).
 pub(crate) fn backoff(config: &RelayConfig, attempts: u32) -> Duration {
-    let exp = config
-        .backoff_base
-        .saturating_mul(1_u32.checked_shl(attempts.min(31)).unwrap_or(u32::MAX));
-    exp.min(config.backoff_max)
-        .mul_f64(rand::random_range(0.5..1.0))
+    outbox_core::backoff(config.backoff_base, config.backoff_max, attempts)
 }
 
 #[cfg(test)]

@@ -1,0 +1,152 @@
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use outbox_core::TableNames;
+
+use crate::ConsumerError;
+
+/// What happens when a handler keeps failing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum HandlerFailurePolicy {
+    /// After `max_attempts`, store the message in the quarantine table with the error and
+    /// move on. The default: one bad message never stalls its partition.
+    #[default]
+    Quarantine,
+    /// Retry forever (with capped backoff); the partition waits. For handlers whose effects
+    /// must never be skipped or reordered, at the price of a stall an operator must clear.
+    Block,
+}
+
+/// Settings of a [`crate::DedupConsumer`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ConsumerConfig {
+    /// Scope of deduplication: each name handles each event id once. `None` means the Kafka
+    /// `group.id` (with [`crate::dedup_consume`]).
+    pub name: Option<String>,
+    /// Table names.
+    pub tables: TableNames,
+    /// Event ids remembered in memory.
+    pub cache_capacity: u64,
+    /// How long an id stays in memory. Never longer than `dedup_ttl`.
+    pub cache_ttl: Duration,
+    /// How long the dedup table keeps ids (what [`crate::prune`] should be run with). The
+    /// consumer only uses it to bound `cache_ttl`.
+    pub dedup_ttl: Duration,
+    /// Handler attempts per message before the failure policy applies.
+    pub max_attempts: u32,
+    /// First retry delay; doubled per attempt, with jitter.
+    pub backoff_base: Duration,
+    /// Longest retry delay.
+    pub backoff_max: Duration,
+    /// What to do when a handler keeps failing.
+    pub on_handler_failure: HandlerFailurePolicy,
+    /// Partitions processed concurrently (order within a partition always holds).
+    pub max_concurrent_partitions: usize,
+    /// Larger payloads are quarantined without decoding.
+    pub max_payload_bytes: usize,
+    /// When set, events whose `type` header is not listed are quarantined.
+    pub event_types: Option<BTreeSet<String>>,
+    /// Bound on the final offset commit at shutdown.
+    pub shutdown_timeout: Duration,
+}
+
+impl ConsumerConfig {
+    /// Defaults, with the consumer name `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: Some(name.into()),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the in-memory cache size and lifetime.
+    pub fn cache(mut self, capacity: u64, ttl: Duration) -> Self {
+        self.cache_capacity = capacity;
+        self.cache_ttl = ttl;
+        self
+    }
+    /// Sets [`Self::dedup_ttl`].
+    pub fn dedup_ttl(mut self, ttl: Duration) -> Self {
+        self.dedup_ttl = ttl;
+        self
+    }
+    /// Sets [`Self::max_attempts`].
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+    /// Sets the retry backoff.
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max;
+        self
+    }
+    /// Sets [`Self::on_handler_failure`].
+    pub fn on_handler_failure(mut self, policy: HandlerFailurePolicy) -> Self {
+        self.on_handler_failure = policy;
+        self
+    }
+    /// Sets [`Self::max_concurrent_partitions`].
+    pub fn max_concurrent_partitions(mut self, n: usize) -> Self {
+        self.max_concurrent_partitions = n;
+        self
+    }
+    /// Sets [`Self::max_payload_bytes`].
+    pub fn max_payload_bytes(mut self, n: usize) -> Self {
+        self.max_payload_bytes = n;
+        self
+    }
+    /// Accepts only these event types.
+    pub fn event_types<I: IntoIterator<Item = S>, S: Into<String>>(mut self, types: I) -> Self {
+        self.event_types = Some(types.into_iter().map(Into::into).collect());
+        self
+    }
+    /// Sets [`Self::tables`].
+    pub fn tables(mut self, tables: TableNames) -> Self {
+        self.tables = tables;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<String, ConsumerError> {
+        let bad = |m: &str| Err(ConsumerError::Config(m.to_owned()));
+        let Some(name) = self.name.clone().filter(|n| !n.is_empty()) else {
+            return bad(
+                "a consumer name is required (or use dedup_consume, which defaults it to group.id)",
+            );
+        };
+        if self.cache_ttl > self.dedup_ttl {
+            return bad(
+                "cache_ttl must not exceed dedup_ttl, or the cache would outlive the dedup rows",
+            );
+        }
+        if self.max_attempts == 0 || self.max_concurrent_partitions == 0 {
+            return bad("max_attempts and max_concurrent_partitions must be at least 1");
+        }
+        if self.backoff_base > self.backoff_max {
+            return bad("backoff_base must not exceed backoff_max");
+        }
+        Ok(name)
+    }
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            name: None,
+            tables: TableNames::default(),
+            cache_capacity: 100_000,
+            cache_ttl: Duration::from_secs(3600),
+            dedup_ttl: Duration::from_secs(7 * 24 * 3600),
+            max_attempts: 5,
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(30),
+            on_handler_failure: HandlerFailurePolicy::default(),
+            max_concurrent_partitions: 8,
+            max_payload_bytes: 1024 * 1024,
+            event_types: None,
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+}

@@ -1,0 +1,44 @@
+use std::time::Duration;
+
+use outbox_core::TableNames;
+use sqlx::{AssertSqlSafe, PgConnection};
+
+use crate::ConsumerError;
+
+/// Deletes dedup rows processed more than `older_than` ago, at most `batch` rows per
+/// statement (each its own short transaction), so it never holds long locks and can run while
+/// consumers run. Returns how many rows it removed.
+///
+/// Pick `older_than` longer than the longest time an event can be redelivered: the topic's
+/// retention, or how far back a consumer group could be reset, plus the relay's longest
+/// retry window. An event redelivered after its dedup row was pruned is handled again (it
+/// looks new); its handler should then rely on the event id as an idempotency key with
+/// outside systems.
+pub async fn prune(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, ConsumerError> {
+    let t = &tables.consumer_dedup;
+    // ctid lets each batch delete exactly the rows it selected, via the processed_at index.
+    let query = format!(
+        "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
+            SELECT ctid FROM {t} WHERE processed_at < now() - $1 * interval '1 millisecond' \
+            LIMIT $2))"
+    );
+    let batch = batch.max(1);
+    let mut removed = 0;
+    loop {
+        let n = sqlx::query(AssertSqlSafe(query.clone()))
+            .bind(older_than.as_secs_f64() * 1000.0)
+            .bind(i64::from(batch))
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        removed += n;
+        if n < u64::from(batch) {
+            return Ok(removed);
+        }
+    }
+}

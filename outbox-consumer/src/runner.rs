@@ -1,0 +1,258 @@
+//! The Kafka loop around [`DedupConsumer::process`]: one ordered worker per partition, a
+//! bounded number running at once, offsets stored only after a message is fully handled.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Message, OwnedMessage};
+use serde::de::DeserializeOwned;
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::dedup::{HandlerFuture, Outcome};
+use crate::{ConsumerConfig, ConsumerError, DedupConsumer, Event};
+
+/// Messages buffered per partition before the poll loop waits.
+const PARTITION_QUEUE: usize = 256;
+
+/// Settings the consumer's guarantees rest on, applied over the caller's.
+const REQUIRED: &[(&str, &str)] = &[
+    // Offsets are stored by us, after the handler's transaction committed...
+    ("enable.auto.offset.store", "false"),
+    // ...and librdkafka commits what was stored, in the background.
+    ("enable.auto.commit", "true"),
+];
+
+/// A consumer configuration for `bootstrap_servers` and group `group_id`, with the settings
+/// [`dedup_consume`] requires, reading new groups from the earliest offset.
+pub fn consumer_config(bootstrap_servers: &str, group_id: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", bootstrap_servers)
+        .set("group.id", group_id)
+        .set("auto.offset.reset", "earliest");
+    enforce_required(&mut config);
+    config
+}
+
+fn enforce_required(config: &mut ClientConfig) {
+    for (key, value) in REQUIRED {
+        if config.get(key).is_some_and(|v| v != *value) {
+            tracing::warn!(
+                key,
+                value,
+                "overriding consumer setting dedup_consume requires"
+            );
+        }
+        config.set(*key, *value);
+    }
+}
+
+/// Builds a consumer from `kafka` (with the required settings enforced), subscribes it to
+/// `topics`, and runs `handler` once per event id until `shutdown` is cancelled. The consumer
+/// name defaults to the `group.id`.
+pub async fn dedup_consume<P, H>(
+    kafka: &ClientConfig,
+    topics: &[&str],
+    pool: PgPool,
+    mut config: ConsumerConfig,
+    handler: H,
+    shutdown: CancellationToken,
+) -> Result<(), ConsumerError>
+where
+    P: DeserializeOwned + Send + Sync + 'static,
+    H: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
+        + Send
+        + Sync
+        + 'static,
+{
+    let mut kafka = kafka.clone();
+    enforce_required(&mut kafka);
+    if config.name.is_none() {
+        config.name = kafka.get("group.id").map(str::to_owned);
+    }
+    let consumer = DedupConsumer::new(pool, config, handler)?;
+    let stream: StreamConsumer = kafka.create()?;
+    stream.subscribe(topics)?;
+    consumer.run(stream, shutdown).await
+}
+
+impl<P, H> DedupConsumer<P, H>
+where
+    P: DeserializeOwned + Send + Sync + 'static,
+    H: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
+        + Send
+        + Sync
+        + 'static,
+{
+    /// Receives one message from `consumer`, handles it and stores its offset. For tests and
+    /// hand-driven loops; `consumer` must have `enable.auto.offset.store=false`.
+    pub async fn run_once(&self, consumer: &StreamConsumer) -> Result<Outcome, ConsumerError> {
+        let message = consumer.recv().await?.detach();
+        let outcome = self.process(&message, &CancellationToken::new()).await?;
+        store_offset(consumer, &message);
+        Ok(outcome)
+    }
+
+    /// Consumes until `shutdown` is cancelled. `consumer` must be subscribed (or assigned)
+    /// and configured with `enable.auto.offset.store=false` (see [`consumer_config`]).
+    ///
+    /// Partitions are handled concurrently (up to `max_concurrent_partitions`), each in
+    /// order. On shutdown, messages being handled finish, queued ones are left for
+    /// redelivery, stored offsets are committed within `shutdown_timeout`, and the client is
+    /// closed off the async runtime, so a dead broker cannot hang the caller.
+    pub async fn run(
+        &self,
+        consumer: StreamConsumer,
+        shutdown: CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        let consumer = Arc::new(consumer);
+        let permits = Arc::new(Semaphore::new(self.inner.config.max_concurrent_partitions));
+        let mut queues: HashMap<(String, i32), mpsc::Sender<OwnedMessage>> = HashMap::new();
+        let mut workers = JoinSet::new();
+        let result = loop {
+            let received = tokio::select! {
+                () = shutdown.cancelled() => break Ok(()),
+                Some(joined) = workers.join_next(), if !workers.is_empty() => {
+                    // Workers only stop early on a fault; later offsets must not be stored
+                    // past the message it left unhandled, so the whole consumer stops.
+                    break flatten(joined);
+                }
+                received = consumer.recv() => received,
+            };
+            let message = match received {
+                Ok(m) => m.detach(),
+                Err(error) => {
+                    tracing::warn!(%error, "kafka consumer error");
+                    continue;
+                }
+            };
+            let queue = queues
+                .entry((message.topic().to_owned(), message.partition()))
+                .or_insert_with(|| {
+                    let (tx, rx) = mpsc::channel(PARTITION_QUEUE);
+                    workers.spawn(self.clone().partition_worker(
+                        Arc::clone(&consumer),
+                        rx,
+                        Arc::clone(&permits),
+                        shutdown.clone(),
+                    ));
+                    tx
+                });
+            tokio::select! {
+                () = shutdown.cancelled() => break Ok(()),
+                sent = queue.send(message) => if sent.is_err() {
+                    continue; // the worker stopped; join_next reports why
+                },
+            }
+        };
+        drop(queues);
+        let mut result = result;
+        while let Some(joined) = workers.join_next().await {
+            if let Err(error) = flatten(joined) {
+                result = result.and(Err(error));
+            }
+        }
+        self.close(consumer).await;
+        result
+    }
+
+    async fn partition_worker(
+        self,
+        consumer: Arc<StreamConsumer>,
+        mut queue: mpsc::Receiver<OwnedMessage>,
+        permits: Arc<Semaphore>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ConsumerError> {
+        let config = &self.inner.config;
+        while let Some(message) = queue.recv().await {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let _permit = permits
+                .acquire()
+                .await
+                .map_err(|_| ConsumerError::Config("semaphore closed".into()))?;
+            let mut failures = 0;
+            let outcome = loop {
+                match self.process(&message, &shutdown).await {
+                    Ok(outcome) => break outcome,
+                    Err(error) => {
+                        // The database is unavailable: retry this message, never skip it.
+                        tracing::warn!(%error, topic = message.topic(), partition = message.partition(),
+                            offset = message.offset(), "cannot handle message; retrying");
+                        if shutdown.is_cancelled() {
+                            return Ok(());
+                        }
+                        tokio::time::sleep(outbox_core::backoff(
+                            config.backoff_base,
+                            config.backoff_max,
+                            failures,
+                        ))
+                        .await;
+                        failures = failures.saturating_add(1);
+                    }
+                }
+            };
+            if outcome == Outcome::Abandoned {
+                return Ok(());
+            }
+            #[cfg(feature = "fault-injection")]
+            if outcome == Outcome::Processed
+                && self
+                    .inner
+                    .crash_after_commit
+                    .swap(false, std::sync::atomic::Ordering::SeqCst)
+            {
+                return Err(ConsumerError::InjectedFault(
+                    "crash after commit, before storing the offset",
+                ));
+            }
+            store_offset(&consumer, &message);
+        }
+        Ok(())
+    }
+
+    async fn close(&self, consumer: Arc<StreamConsumer>) {
+        let timeout = self.inner.config.shutdown_timeout;
+        // Committing and dropping can block on an unreachable broker: do both on a blocking
+        // thread and stop waiting after `timeout`.
+        let closing = tokio::task::spawn_blocking(move || {
+            match consumer.commit_consumer_state(CommitMode::Sync) {
+                Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "final offset commit failed; uncommitted messages will be redelivered")
+                }
+            }
+            drop(consumer);
+        });
+        if tokio::time::timeout(timeout, closing).await.is_err() {
+            tracing::warn!(
+                ?timeout,
+                "consumer did not close in time; leaving it to close in the background"
+            );
+        }
+    }
+}
+
+fn store_offset(consumer: &StreamConsumer, message: &OwnedMessage) {
+    if let Err(error) =
+        consumer.store_offset(message.topic(), message.partition(), message.offset())
+    {
+        // After a rebalance the partition may belong to another member: it will redeliver,
+        // and the dedup table absorbs that.
+        tracing::warn!(%error, topic = message.topic(), partition = message.partition(),
+            offset = message.offset(), "could not store offset");
+    }
+}
+
+fn flatten(
+    joined: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
+) -> Result<(), ConsumerError> {
+    joined.map_err(|e| ConsumerError::Config(format!("partition worker failed: {e}")))?
+}

@@ -246,3 +246,39 @@ pub async fn count_status(pool: &PgPool, status: &str) -> Result<i64> {
             .await?,
     )
 }
+
+/// Produces one raw record with any client settings a test wants, as an outside producer
+/// (not the relay) would.
+pub async fn produce_raw(
+    topic: &str,
+    partition: Option<i32>,
+    key: Option<&str>,
+    payload: Option<&[u8]>,
+    headers: &[(&str, &[u8])],
+) -> Result<(i32, i64)> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .create()?;
+    let mut owned = OwnedHeaders::new();
+    for (k, v) in headers {
+        owned = owned.insert(Header {
+            key: k,
+            value: Some(*v),
+        });
+    }
+    let mut record = FutureRecord::<str, [u8]>::to(topic).headers(owned);
+    if let Some(p) = partition {
+        record = record.partition(p);
+    }
+    if let Some(k) = key {
+        record = record.key(k);
+    }
+    if let Some(p) = payload {
+        record = record.payload(p);
+    }
+    let delivery = producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)?;
+    Ok((delivery.partition, delivery.offset))
+}

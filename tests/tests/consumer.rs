@@ -1,0 +1,530 @@
+//! The consumer half end to end: real Postgres, real tansu broker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_consumer::{
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFuture, Outcome, consumer_config,
+};
+use outbox_core::EventId;
+use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+use serde::Deserialize;
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Deserialize)]
+struct Order {
+    n: i64,
+    #[serde(default)]
+    fail: bool,
+}
+
+async fn effects_table(pool: &PgPool) -> Result<()> {
+    // No unique constraint: a double effect must be visible as a second row.
+    sqlx::query(
+        "CREATE TABLE effects (seq BIGSERIAL, consumer TEXT, event_id UUID, key TEXT, n BIGINT)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Records the effect on the handler's transaction; fails when the payload says so.
+fn record_effect<'c>(
+    event: &'c Event<Order>,
+    tx: &'c mut Transaction<'static, Postgres>,
+) -> HandlerFuture<'c> {
+    Box::pin(async move {
+        let consumer: String = sqlx::query_scalar("SELECT current_setting('application_name')")
+            .fetch_one(&mut **tx)
+            .await?;
+        sqlx::query("INSERT INTO effects (consumer, event_id, key, n) VALUES ($1, $2, $3, $4)")
+            .bind(consumer)
+            .bind(event.id)
+            .bind(&event.key)
+            .bind(event.payload.n)
+            .execute(&mut **tx)
+            .await?;
+        if event.payload.fail {
+            return Err("payload asked to fail".into());
+        }
+        Ok(())
+    })
+}
+
+type Handler =
+    for<'c> fn(&'c Event<Order>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>;
+
+fn consumer(db: &TestDb, config: ConsumerConfig) -> Result<DedupConsumer<Order, Handler>> {
+    Ok(DedupConsumer::new(
+        db.pool.clone(),
+        config,
+        record_effect as Handler,
+    )?)
+}
+
+fn stream(topic: &str, group: &str) -> Result<StreamConsumer> {
+    let mut config = consumer_config(&kafka_bootstrap(), group);
+    config
+        .set("session.timeout.ms", "6000")
+        .set("auto.commit.interval.ms", "200");
+    let consumer: StreamConsumer = config.create()?;
+    consumer.subscribe(&[topic])?;
+    Ok(consumer)
+}
+
+async fn effects(pool: &PgPool, id: EventId) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+async fn send_event(topic: &str, id: EventId, key: &str, payload: &str) -> Result<()> {
+    let id = id.to_string();
+    produce_raw(
+        topic,
+        None,
+        Some(key),
+        Some(payload.as_bytes()),
+        &[("id", id.as_bytes()), ("type", b"OrderPlaced")],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Runs `consumer` on `topic` in the background until the returned token is cancelled.
+fn spawn_run(
+    consumer: &DedupConsumer<Order, Handler>,
+    topic: &str,
+    group: &str,
+) -> Result<(
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), ConsumerError>>,
+)> {
+    let shutdown = CancellationToken::new();
+    let stream = stream(topic, group)?;
+    let handle = tokio::spawn({
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        async move { consumer.run(stream, shutdown).await }
+    });
+    Ok((shutdown, handle))
+}
+
+fn handled(c: &DedupConsumer<Order, Handler>) -> u64 {
+    let s = c.stats();
+    s.processed + s.duplicates_cached + s.duplicates_stored + s.quarantined
+}
+
+/// The application_name tags each effect row with the consumer that made it.
+async fn db_for(name: &str) -> Result<TestDb> {
+    let db = TestDb::new().await?;
+    let options = (*db.pool.connect_options()).clone().application_name(name);
+    Ok(TestDb {
+        pool: sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await?,
+        schema: db.schema,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_event_three_times_and_after_restart_has_one_effect() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let group = unique("g");
+    let id = EventId::new();
+    for _ in 0..3 {
+        send_event(&topic, id, "k", r#"{"n":1}"#).await?;
+    }
+    let c = consumer(&db, ConsumerConfig::new("c1"))?;
+    let (shutdown, run) = spawn_run(&c, &topic, &group)?;
+    eventually("three deliveries handled", WAIT, || async {
+        Ok(handled(&c) == 3)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    let s = c.stats();
+    assert_eq!((s.processed, s.duplicates_cached), (1, 2), "{s:?}");
+
+    // A restarted consumer (empty cache) resumes after the committed offsets; the fourth copy
+    // is caught by the dedup table.
+    send_event(&topic, id, "k", r#"{"n":1}"#).await?;
+    let c = consumer(&db, ConsumerConfig::new("c1"))?;
+    let (shutdown, run) = spawn_run(&c, &topic, &group)?;
+    eventually("the fourth delivery handled", WAIT, || async {
+        Ok(handled(&c) >= 1)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(c.stats().duplicates_stored, 1, "{:?}", c.stats());
+    assert_eq!(c.stats().processed, 0);
+    assert_eq!(effects(&db.pool, id).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_commit_before_offset_store_is_absorbed() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let group = unique("g");
+    let id = EventId::new();
+    send_event(&topic, id, "k", r#"{"n":1}"#).await?;
+
+    let c = consumer(&db, ConsumerConfig::new("c1"))?;
+    c.crash_after_next_commit();
+    let (_shutdown, run) = spawn_run(&c, &topic, &group)?;
+    let crashed = tokio::time::timeout(WAIT, run).await??;
+    assert!(
+        matches!(crashed, Err(ConsumerError::InjectedFault(_))),
+        "{crashed:?}"
+    );
+    assert_eq!(
+        effects(&db.pool, id).await?,
+        1,
+        "the handler's transaction committed"
+    );
+
+    let c = consumer(&db, ConsumerConfig::new("c1"))?;
+    let (shutdown, run) = spawn_run(&c, &topic, &group)?;
+    eventually("the redelivery is handled", WAIT, || async {
+        Ok(handled(&c) >= 1)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(
+        c.stats().duplicates_stored,
+        1,
+        "redelivered, recognised as a duplicate: {:?}",
+        c.stats()
+    );
+    assert_eq!(effects(&db.pool, id).await?, 1);
+    Ok(())
+}
+
+fn message(topic: &str, offset: i64, id: EventId, payload: &str) -> OwnedMessage {
+    let id = id.to_string();
+    let headers = OwnedHeaders::new().insert(Header {
+        key: "id",
+        value: Some(&id),
+    });
+    OwnedMessage::new(
+        Some(payload.as_bytes().to_vec()),
+        Some(b"k".to_vec()),
+        topic.to_owned(),
+        Timestamp::NotAvailable,
+        0,
+        offset,
+        Some(headers),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_error_rolls_back_state_and_dedup_row_then_retry_succeeds_once() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").backoff(Duration::from_millis(1), Duration::from_millis(5)),
+        {
+            let calls = Arc::clone(&calls);
+            move |event: &Event<Order>, tx: &mut Transaction<'static, Postgres>| {
+                let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+                Box::pin(async move {
+                    record_effect(event, tx).await?;
+                    if first {
+                        return Err("first attempt fails after writing its state".into());
+                    }
+                    Ok(())
+                }) as HandlerFuture<'_>
+            }
+        },
+    )?;
+    let id = EventId::new();
+    let outcome = c
+        .process(
+            &message("t", 0, id, r#"{"n":1}"#),
+            &CancellationToken::new(),
+        )
+        .await?;
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(c.stats().handler_errors, 1);
+    assert_eq!(
+        effects(&db.pool, id).await?,
+        1,
+        "the failed attempt's state was rolled back"
+    );
+    let dedup_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_dedup")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(dedup_rows, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumer_names_each_process_every_event_once() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(3).await?;
+    let ids: Vec<EventId> = (0..30).map(|_| EventId::new()).collect();
+    for (n, id) in ids.iter().enumerate() {
+        send_event(
+            &topic,
+            *id,
+            &format!("k{}", n % 5),
+            &format!(r#"{{"n":{n}}}"#),
+        )
+        .await?;
+        send_event(
+            &topic,
+            *id,
+            &format!("k{}", n % 5),
+            &format!(r#"{{"n":{n}}}"#),
+        )
+        .await?;
+    }
+    let mut runs = Vec::new();
+    for name in ["billing", "audit"] {
+        let named = db_for(name).await?;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(
+                (*named.pool.connect_options())
+                    .clone()
+                    .options([("search_path", db.schema.as_str())]),
+            )
+            .await?;
+        let c = DedupConsumer::new(pool, ConsumerConfig::new(name), record_effect as Handler)?;
+        let (shutdown, run) = spawn_run(&c, &topic, &unique(name))?;
+        runs.push((c, shutdown, run));
+    }
+    for (c, _, _) in &runs {
+        eventually("all 60 deliveries handled", WAIT, || async {
+            Ok(handled(c) == 60)
+        })
+        .await?;
+    }
+    for (_, shutdown, run) in runs {
+        shutdown.cancel();
+        run.await??;
+    }
+    let per_consumer: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT consumer, count(*), count(DISTINCT event_id) FROM effects GROUP BY consumer ORDER BY consumer",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(
+        per_consumer,
+        [("audit".into(), 30, 30), ("billing".into(), 30, 30)]
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_messages_are_quarantined_with_reasons_and_the_partition_flows() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let good = |n: i64| (EventId::new(), format!(r#"{{"n":{n}}}"#));
+    let (first, first_payload) = good(1);
+    send_event(&topic, first, "k", &first_payload).await?;
+    let big = format!(r#"{{"n":2,"pad":"{}"}}"#, "x".repeat(5_000));
+    let poison: Vec<(Vec<(&str, Vec<u8>)>, Option<Vec<u8>>)> = vec![
+        (
+            vec![("type", b"OrderPlaced".to_vec())],
+            Some(br#"{"n":2}"#.to_vec()),
+        ),
+        (
+            vec![("id", b"not-a-uuid".to_vec())],
+            Some(br#"{"n":2}"#.to_vec()),
+        ),
+        (
+            vec![("id", EventId::new().to_string().into_bytes())],
+            Some(b"{not json".to_vec()),
+        ),
+        (
+            vec![("id", EventId::new().to_string().into_bytes())],
+            Some(br#"{"m":"no n"}"#.to_vec()),
+        ),
+        (
+            vec![
+                ("id", EventId::new().to_string().into_bytes()),
+                ("type", b"Unknown".to_vec()),
+            ],
+            Some(br#"{"n":2}"#.to_vec()),
+        ),
+        (
+            vec![
+                ("id", EventId::new().to_string().into_bytes()),
+                ("type", b"OrderPlaced".to_vec()),
+            ],
+            Some(big.into_bytes()),
+        ),
+        (
+            vec![
+                ("id", EventId::new().to_string().into_bytes()),
+                ("type", b"OrderPlaced".to_vec()),
+            ],
+            None,
+        ),
+        (
+            vec![
+                ("id", EventId::new().to_string().into_bytes()),
+                ("type", b"OrderPlaced".to_vec()),
+            ],
+            Some(br#"{"n":2,"fail":true}"#.to_vec()),
+        ),
+    ];
+    for (headers, payload) in &poison {
+        let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+        produce_raw(&topic, Some(0), Some("k"), payload.as_deref(), &headers).await?;
+    }
+    let (last, last_payload) = good(3);
+    send_event(&topic, last, "k", &last_payload).await?;
+
+    let config = ConsumerConfig::new("c1")
+        .event_types(["OrderPlaced"])
+        .max_payload_bytes(4_096)
+        .max_attempts(2)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let c = consumer(&db, config)?;
+    let (shutdown, run) = spawn_run(&c, &topic, &unique("g"))?;
+    eventually("every message handled", WAIT, || async {
+        Ok(handled(&c) == 10)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+
+    assert_eq!(effects(&db.pool, first).await?, 1);
+    assert_eq!(
+        effects(&db.pool, last).await?,
+        1,
+        "the message after the poison ones was processed"
+    );
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM outbox_consumer_quarantine ORDER BY \"offset\"")
+            .fetch_all(&db.pool)
+            .await?;
+    // "missing id" lacks a type header too, but the id is checked first.
+    assert_eq!(
+        reasons,
+        [
+            "missing_id",
+            "invalid_id",
+            "invalid_json",
+            "unknown_type",
+            "unknown_type",
+            "too_large",
+            "missing_payload",
+            "handler_failed"
+        ]
+        .map(String::from)
+    );
+    let kept: (i64, Option<Vec<u8>>) = sqlx::query_as(
+        "SELECT count(*), (array_agg(payload) FILTER (WHERE reason = 'invalid_json'))[1] \
+         FROM outbox_consumer_quarantine",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(kept, (8, Some(b"{not json".to_vec())), "raw bytes are kept");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_hit_makes_no_database_round_trip() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let c = consumer(&db, ConsumerConfig::new("c1"))?;
+    let id = EventId::new();
+    let msg = message("t", 0, id, r#"{"n":1}"#);
+    let none = CancellationToken::new();
+    assert_eq!(c.process(&msg, &none).await?, Outcome::Processed);
+    let transactions = c.stats().transactions;
+    // With the pool closed, any database access would fail.
+    db.pool.close().await;
+    assert_eq!(c.process(&msg, &none).await?, Outcome::DuplicateCached);
+    assert_eq!(c.stats().transactions, transactions);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_removes_only_expired_rows_and_a_pruned_event_is_handled_again() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    sqlx::query(
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id, processed_at) \
+         SELECT 'c1', gen_random_uuid(), now() - CASE WHEN g % 2 = 0 THEN interval '8 days' ELSE interval '1 day' END \
+         FROM generate_series(1, 25) AS g",
+    )
+    .execute(&db.pool)
+    .await?;
+    let mut conn = db.pool.acquire().await?;
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let removed = outbox_consumer::prune(&mut conn, &Default::default(), week, 5).await?;
+    assert_eq!(
+        removed, 12,
+        "the 12 rows older than a week, in batches of 5"
+    );
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_consumer_dedup WHERE processed_at > now() - interval '7 days'",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    assert_eq!(left, 13);
+
+    // Documented behaviour: once its dedup row is pruned, a redelivered event looks new.
+    let id = EventId::new();
+    let msg = message("t", 0, id, r#"{"n":1}"#);
+    let none = CancellationToken::new();
+    assert_eq!(
+        consumer(&db, ConsumerConfig::new("c1"))?
+            .process(&msg, &none)
+            .await?,
+        Outcome::Processed
+    );
+    sqlx::query("UPDATE outbox_consumer_dedup SET processed_at = now() - interval '8 days' WHERE event_id = $1")
+        .bind(id)
+        .execute(&mut *conn)
+        .await?;
+    assert_eq!(
+        outbox_consumer::prune(&mut conn, &Default::default(), week, 100).await?,
+        1
+    );
+    assert_eq!(
+        consumer(&db, ConsumerConfig::new("c1"))?
+            .process(&msg, &none)
+            .await?,
+        Outcome::Processed
+    );
+    assert_eq!(effects(&db.pool, id).await?, 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn cache_may_not_outlive_the_dedup_rows() {
+    let config = ConsumerConfig::new("c")
+        .dedup_ttl(Duration::from_secs(60))
+        .cache(10, Duration::from_secs(61));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy("postgres://unused@127.0.0.1/x")
+        .expect("lazy pool");
+    let built = DedupConsumer::new(pool, config, record_effect as Handler);
+    assert!(matches!(built, Err(ConsumerError::Config(_))));
+}

@@ -1,0 +1,144 @@
+//! `outbox`: operate the framework's tables from the shell or cron.
+//!
+//! ```text
+//! outbox migrate
+//! outbox status [--json]
+//! outbox prune dedup --older-than 7d
+//! outbox prune published --older-than 3d
+//! ```
+//! The database comes from `--database-url` or `DATABASE_URL`; tables resolve through its
+//! `search_path`.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use outbox_core::TableNames;
+use sqlx::postgres::PgPoolOptions;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox",
+    version,
+    about = "Operate the outbox framework's tables"
+)]
+struct Cli {
+    /// Postgres connection URL.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// Name of the outbox table.
+    #[arg(long, default_value = "outbox_events", global = true)]
+    outbox_table: String,
+    /// Name of the consumer dedup table.
+    #[arg(long, default_value = "outbox_consumer_dedup", global = true)]
+    dedup_table: String,
+    /// Name of the consumer quarantine table.
+    #[arg(long, default_value = "outbox_consumer_quarantine", global = true)]
+    quarantine_table: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or upgrade the framework's tables.
+    Migrate,
+    /// Outbox depth, relay lag and quarantine counts.
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete old rows in bounded batches; safe to run from cron while relays and consumers run.
+    Prune {
+        /// Which rows.
+        what: PruneTarget,
+        /// Age past which rows go, like `7d`, `36h`, `90m`.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Duration,
+        /// Rows deleted per statement.
+        #[arg(long, default_value_t = 1000)]
+        batch: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PruneTarget {
+    /// Consumer dedup rows (choose the age from the topic's retention; see the README).
+    Dedup,
+    /// Outbox rows already published.
+    Published,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let tables = TableNames::default()
+        .with_outbox(&cli.outbox_table)?
+        .with_consumer_tables(&cli.dedup_table, &cli.quarantine_table)?;
+    let url = cli
+        .database_url
+        .context("no database: pass --database-url or set DATABASE_URL")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&url)
+        .await
+        .context("cannot connect to the database")?;
+    let mut conn = pool.acquire().await?;
+    match cli.command {
+        Command::Migrate => {
+            outbox_core::migrate_with(&pool, &tables).await?;
+            println!("migrations applied");
+        }
+        Command::Status { json } => {
+            let outbox = outbox_producer::stats(&mut conn, &tables).await?;
+            let consumer_quarantined: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {}",
+                tables.consumer_quarantine
+            )))
+            .fetch_one(&mut *conn)
+            .await?;
+            if json {
+                let value = serde_json::json!({
+                    "pending": outbox.pending,
+                    "oldest_pending_age_ms": outbox.oldest_pending_age_ms,
+                    "quarantined": outbox.quarantined,
+                    "consumer_quarantined": consumer_quarantined,
+                });
+                println!("{value}");
+            } else {
+                let age = outbox.oldest_pending_age_ms.map_or_else(
+                    || "-".to_owned(),
+                    |ms| {
+                        humantime::format_duration(Duration::from_millis(ms.unsigned_abs()))
+                            .to_string()
+                    },
+                );
+                println!("pending              {}", outbox.pending);
+                println!("oldest pending age   {age}");
+                println!("relay quarantined    {}", outbox.quarantined);
+                println!("consumer quarantined {consumer_quarantined}");
+            }
+        }
+        Command::Prune {
+            what,
+            older_than,
+            batch,
+        } => {
+            let removed = match what {
+                PruneTarget::Dedup => {
+                    outbox_consumer::prune(&mut conn, &tables, older_than, batch).await?
+                }
+                PruneTarget::Published => {
+                    outbox_producer::prune_published(&mut conn, &tables, older_than, batch).await?
+                }
+            };
+            println!("removed {removed} rows");
+        }
+    }
+    Ok(())
+}

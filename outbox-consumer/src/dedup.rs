@@ -303,14 +303,14 @@ where
         } = wire::decode(message.key(), headers, payload)
             .map_err(|e| (e.kind(), e.to_string(), None))?;
         let uuid = Some(*id.as_uuid());
-        if let Some(allowed) = &config.event_types {
-            if !event_type.as_ref().is_some_and(|t| allowed.contains(t)) {
-                return Err((
-                    "unknown_type",
-                    format!("event type {event_type:?} is not accepted"),
-                    uuid,
-                ));
-            }
+        if let Some(allowed) = &config.event_types
+            && !event_type.as_ref().is_some_and(|t| allowed.contains(t))
+        {
+            return Err((
+                "unknown_type",
+                format!("event type {event_type:?} is not accepted"),
+                uuid,
+            ));
         }
         let payload =
             serde_json::from_value(payload).map_err(|e| ("wrong_shape", e.to_string(), uuid))?;

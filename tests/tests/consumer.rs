@@ -18,6 +18,8 @@ use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+type Headers = Vec<(&'static str, Vec<u8>)>;
+
 #[derive(Debug, Deserialize)]
 struct Order {
     n: i64,
@@ -345,7 +347,7 @@ async fn poison_messages_are_quarantined_with_reasons_and_the_partition_flows() 
     let (first, first_payload) = good(1);
     send_event(&topic, first, "k", &first_payload).await?;
     let big = format!(r#"{{"n":2,"pad":"{}"}}"#, "x".repeat(5_000));
-    let poison: Vec<(Vec<(&str, Vec<u8>)>, Option<Vec<u8>>)> = vec![
+    let poison: Vec<(Headers, Option<Vec<u8>>)> = vec![
         (
             vec![("type", b"OrderPlaced".to_vec())],
             Some(br#"{"n":2}"#.to_vec()),

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use outbox_core::TableNames;
-use sqlx::{AssertSqlSafe, PgConnection};
+use sqlx::PgConnection;
 
 use crate::ConsumerError;
 
@@ -27,18 +27,5 @@ pub async fn prune(
             SELECT ctid FROM {t} WHERE processed_at < now() - $1 * interval '1 millisecond' \
             LIMIT $2))"
     );
-    let batch = batch.max(1);
-    let mut removed = 0;
-    loop {
-        let n = sqlx::query(AssertSqlSafe(query.clone()))
-            .bind(older_than.as_secs_f64() * 1000.0)
-            .bind(i64::from(batch))
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
-        removed += n;
-        if n < u64::from(batch) {
-            return Ok(removed);
-        }
-    }
+    Ok(outbox_core::delete_in_batches(conn, query, older_than, batch).await?)
 }

@@ -19,6 +19,7 @@ mod envelope;
 mod error;
 mod ident;
 mod migrate;
+mod prune;
 mod retry;
 pub mod wire;
 
@@ -26,4 +27,5 @@ pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
 pub use ident::{Ident, TableNames};
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};
+pub use prune::delete_in_batches;
 pub use retry::backoff;

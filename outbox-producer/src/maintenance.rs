@@ -34,7 +34,7 @@ pub async fn stats(
 }
 
 /// Deletes published rows older than `older_than`, `batch` rows per statement so no lock is
-/// held for long and relays keep running. Returns how many rows were removed.
+/// held for long and relays keep running (rows a relay has locked are skipped). Returns how many rows were removed.
 pub async fn prune_published(
     conn: &mut PgConnection,
     tables: &TableNames,
@@ -48,18 +48,5 @@ pub async fn prune_published(
               AND published_at < now() - $1 * interval '1 millisecond' \
             LIMIT $2 FOR UPDATE SKIP LOCKED)"
     );
-    let older_than_ms = older_than.as_secs_f64() * 1000.0;
-    let mut removed = 0;
-    loop {
-        let n = sqlx::query(AssertSqlSafe(query.clone()))
-            .bind(older_than_ms)
-            .bind(i64::from(batch.max(1)))
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
-        removed += n;
-        if n < u64::from(batch.max(1)) {
-            return Ok(removed);
-        }
-    }
+    Ok(outbox_core::delete_in_batches(conn, query, older_than, batch).await?)
 }

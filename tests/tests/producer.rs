@@ -498,3 +498,49 @@ async fn custom_table_names_work_and_hostile_names_are_refused() -> Result<()> {
     ));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_show_depth_and_lag_and_prune_removes_only_old_published_rows() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let events = (0..10)
+        .map(|n| event(&topic, "k", n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue_all(&mut tx, &events).await?;
+    tx.commit().await?;
+    sqlx::query("UPDATE outbox_events SET created_at = now() - interval '1 minute'")
+        .execute(&db.pool)
+        .await?;
+
+    let mut conn = db.pool.acquire().await?;
+    let tables = TableNames::default();
+    let before = outbox_producer::stats(&mut conn, &tables).await?;
+    assert_eq!(before.pending, 10);
+    assert!(
+        before.oldest_pending_age_ms.is_some_and(|ms| ms >= 60_000),
+        "{before:?}"
+    );
+
+    drain(&relay(&db, RelayConfig::default())?).await?;
+    let after = outbox_producer::stats(&mut conn, &tables).await?;
+    assert_eq!(
+        (
+            after.pending,
+            after.oldest_pending_age_ms,
+            after.quarantined
+        ),
+        (0, None, 0)
+    );
+
+    sqlx::query("UPDATE outbox_events SET published_at = now() - interval '10 days' WHERE (payload->>'n')::int < 4")
+        .execute(&mut *conn)
+        .await?;
+    let week = Duration::from_secs(7 * 24 * 3600);
+    assert_eq!(
+        outbox_producer::prune_published(&mut conn, &tables, week, 3).await?,
+        4
+    );
+    assert_eq!(count_status(&db.pool, "published").await?, 6);
+    Ok(())
+}

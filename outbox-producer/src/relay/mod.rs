@@ -52,6 +52,9 @@ use crate::sql::RelaySql;
 use failure::{FailureKind, backoff, classify};
 use kafka::OutboxRow;
 
+/// Longest pause of [`Relay::run`] after a failed batch (database or broker unreachable).
+const RELAY_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What one [`Relay::run_once`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -315,7 +318,9 @@ impl Relay {
                 }
                 Err(error) => {
                     failures = failures.saturating_add(1);
-                    let delay = backoff(config, failures - 1);
+                    // The database or broker is down: retry soon enough to notice it is back.
+                    let delay =
+                        outbox_core::backoff(config.backoff_base, RELAY_RETRY_MAX, failures - 1);
                     tracing::warn!(%error, retry_in = ?delay, "relay batch failed");
                     tokio::select! {
                         () = shutdown.cancelled() => break,

@@ -88,12 +88,14 @@ async fn main() -> Result<()> {
         .connect(&url)
         .await
         .context("cannot connect to the database")?;
+    if let Command::Migrate = cli.command {
+        outbox_core::migrate_with(&pool, &tables).await?;
+        println!("migrations applied");
+        return Ok(());
+    }
     let mut conn = pool.acquire().await?;
     match cli.command {
-        Command::Migrate => {
-            outbox_core::migrate_with(&pool, &tables).await?;
-            println!("migrations applied");
-        }
+        Command::Migrate => {}
         Command::Status { json } => {
             let outbox = outbox_producer::stats(&mut conn, &tables).await?;
             let consumer_quarantined: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(

@@ -67,3 +67,27 @@ async fn status_reports_json_and_bad_arguments_fail_clearly() -> Result<()> {
     assert!(stderr.contains("invalid identifier"), "{stderr}");
     Ok(())
 }
+
+#[tokio::test]
+async fn migrate_creates_the_tables_in_the_urls_schema() -> Result<()> {
+    let db = TestDb::new().await?;
+    let (ok, stdout, stderr) = outbox(
+        &db,
+        &[
+            "--outbox-table",
+            "cli_outbox",
+            "--dedup-table",
+            "cli_dedup",
+            "--quarantine-table",
+            "cli_quarantine",
+            "migrate",
+        ],
+    )?;
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.trim(), "migrations applied");
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('cli_outbox') IS NOT NULL")
+        .fetch_one(&db.pool)
+        .await?;
+    assert!(exists);
+    Ok(())
+}

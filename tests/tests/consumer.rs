@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_consumer::{
-    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFuture, Outcome, consumer_config,
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFailurePolicy, HandlerFuture,
+    Outcome, consumer_config,
 };
 use outbox_core::EventId;
 use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
@@ -529,4 +530,38 @@ async fn cache_may_not_outlive_the_dedup_rows() {
         .expect("lazy pool");
     let built = DedupConsumer::new(pool, config, record_effect as Handler);
     assert!(matches!(built, Err(ConsumerError::Config(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_policy_retries_until_shutdown_and_never_quarantines() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let config = ConsumerConfig::new("c1")
+        .max_attempts(1)
+        .on_handler_failure(HandlerFailurePolicy::Block)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let c = consumer(&db, config)?;
+    let shutdown = CancellationToken::new();
+    let id = EventId::new();
+    let processing = tokio::spawn({
+        let (c, shutdown) = (c.clone(), shutdown.clone());
+        let msg = message("t", 0, id, r#"{"n":1,"fail":true}"#);
+        async move { c.process(&msg, &shutdown).await }
+    });
+    eventually("the handler is retried past max_attempts", WAIT, || async {
+        Ok(c.stats().handler_errors >= 3)
+    })
+    .await?;
+    shutdown.cancel();
+    assert_eq!(processing.await??, Outcome::Abandoned);
+    let quarantined: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(quarantined, 0);
+    assert_eq!(
+        effects(&db.pool, id).await?,
+        0,
+        "every failed attempt rolled back"
+    );
+    Ok(())
 }

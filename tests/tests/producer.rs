@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_producer::{
-    BatchReport, EventId, NewEvent, Outbox, ProducerError, QuarantinePolicy, Relay, RelayConfig,
-    TableNames, producer_config,
+    AfterPublish, BatchReport, EventId, NewEvent, Outbox, ProducerError, QuarantinePolicy, Relay,
+    RelayConfig, TableNames, producer_config,
 };
 use outbox_tests::{
     TestDb, count_status, eventually, kafka_bootstrap, random_topic, read_all, unique,
@@ -542,5 +542,28 @@ async fn stats_show_depth_and_lag_and_prune_removes_only_old_published_rows() ->
         4
     );
     assert_eq!(count_status(&db.pool, "published").await?, 6);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_publish_delete_removes_acknowledged_rows() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let events = (0..5)
+        .map(|n| event(&topic, "k", n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue_all(&mut tx, &events).await?;
+    tx.commit().await?;
+    let relay = relay(
+        &db,
+        RelayConfig::default().after_publish(AfterPublish::Delete),
+    )?;
+    assert_eq!(drain(&relay).await?.published, 5);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(left, 0);
+    assert_eq!(read_all(&topic, 1, READ_TIMEOUT).await?.len(), 5);
     Ok(())
 }

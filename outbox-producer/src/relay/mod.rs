@@ -149,6 +149,18 @@ impl Relay {
 
     /// Claims, publishes and marks one batch. Tests drive the relay with this.
     pub async fn run_once(&self) -> Result<BatchReport, ProducerError> {
+        self.run_batch(true).await
+    }
+
+    /// Claims and marks one batch as published **without sending it**: the relay's own SQL
+    /// cycle, the ceiling benchmarks compare publishing against. Never use it on real data.
+    #[cfg(feature = "bench")]
+    #[doc(hidden)]
+    pub async fn run_once_without_publishing(&self) -> Result<BatchReport, ProducerError> {
+        self.run_batch(false).await
+    }
+
+    async fn run_batch(&self, publish: bool) -> Result<BatchReport, ProducerError> {
         let inner = &*self.inner;
         let mut tx = inner.pool.begin().await?;
         let rows: Vec<OutboxRow> = sqlx::query_as(inner.sql.claim.clone())
@@ -159,7 +171,11 @@ impl Relay {
             tx.commit().await?;
             return Ok(BatchReport::default());
         }
-        let outcomes = self.publish(&rows).await;
+        let outcomes = if publish {
+            self.publish(&rows).await
+        } else {
+            rows.iter().map(|_| Outcome::Delivered).collect()
+        };
         #[cfg(feature = "fault-injection")]
         if inner.crash_after_ack.swap(false, Ordering::SeqCst) {
             // Dropping the transaction rolls it back, exactly as a dead process would.

@@ -1,0 +1,98 @@
+//! `outbox-bench`: what users pick the framework for, each figure a ratio against a baseline
+//! measured in the same invocation, variants interleaved (A B A B) so drift hits both.
+//!
+//! Needs PostgreSQL and tansu (`scripts/bench` starts them). Prints a table and writes JSON.
+
+mod p1_write;
+mod p2_relay;
+mod p3_latency;
+mod p4_consumer;
+mod sample;
+
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Parser;
+
+/// Benchmark settings.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "outbox-bench")]
+pub(crate) struct Settings {
+    /// Which parts to run: p1 (write overhead), p2 (relay throughput and P5 growth),
+    /// p3 (latency), p4 (consumer).
+    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into()])]
+    only: Vec<String>,
+    /// Interleaved rounds per figure.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) rounds: usize,
+    /// Length of each timed run (P1, P3).
+    #[arg(long, value_parser = humantime_secs, default_value = "3")]
+    pub(crate) duration: Duration,
+    /// Concurrent writers in P1.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) clients: usize,
+    /// Events per relay run (P2, P5); P4 uses a quarter.
+    #[arg(long, default_value_t = 40_000)]
+    pub(crate) events: usize,
+    /// Relay batch size.
+    #[arg(long, default_value_t = 1_000)]
+    pub(crate) batch_size: u32,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "target/bench/results.json")]
+    json: std::path::PathBuf,
+}
+
+fn humantime_secs(s: &str) -> Result<Duration, std::num::ParseFloatError> {
+    s.trim_end_matches('s')
+        .parse::<f64>()
+        .map(Duration::from_secs_f64)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let settings = Settings::parse();
+    let mut figures = Vec::new();
+    let wants = |part: &str| settings.only.iter().any(|p| p == part);
+    if wants("p1") {
+        figures.extend(p1_write::run(&settings).await?);
+    }
+    if wants("p2") {
+        figures.extend(p2_relay::run(&settings).await?);
+    }
+    if wants("p3") {
+        figures.extend(p3_latency::run(&settings).await?);
+    }
+    if wants("p4") {
+        figures.extend(p4_consumer::run(&settings).await?);
+    }
+    let peak_rss_kib = peak_rss_kib();
+    println!(
+        "\nmedian [min..max] over {} interleaved rounds",
+        settings.rounds
+    );
+    for f in &figures {
+        println!("{}", f.row());
+    }
+    if let Some(kib) = peak_rss_kib {
+        println!(
+            "peak RSS of the bench process (relay + consumer + load generators): {:.1} MiB",
+            kib as f64 / 1024.0
+        );
+    }
+    if let Some(dir) = settings.json.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let json = serde_json::json!({ "settings": format!("{settings:?}"), "figures": figures, "peak_rss_kib": peak_rss_kib });
+    std::fs::write(&settings.json, serde_json::to_string_pretty(&json)?)?;
+    println!("results written to {}", settings.json.display());
+    Ok(())
+}
+
+/// The process's peak resident set (VmHWM), from /proc.
+fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}

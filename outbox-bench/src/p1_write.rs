@@ -1,0 +1,142 @@
+//! P1: what `enqueue` adds to a state-changing transaction.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use outbox_producer::{NewEvent, Outbox};
+use outbox_tests::TestDb;
+use serde_json::json;
+use sqlx::PgPool;
+
+use crate::Settings;
+use crate::sample::{Figure, Sample};
+
+const ACCOUNTS: i64 = 1_000;
+
+/// What the library sends for one event, issued by hand: the baseline for library overhead.
+const RAW_INSERT: &str = "WITH lock AS (SELECT pg_advisory_xact_lock(hashtext('outbox_events'), hashtext($3))) \
+    INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+    SELECT $1, $2, $3, $4, $5, $6, $7 FROM lock";
+
+#[derive(Debug, Clone, Copy)]
+/// The state update, alone or with an outbox write.
+enum Variant {
+    Alone,
+    WithEnqueue,
+    WithRawSql,
+}
+
+pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
+    let db = TestDb::with_pool_size(settings.clients as u32 + 1).await?;
+    sqlx::query("CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL)")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("INSERT INTO accounts SELECT g, 0 FROM generate_series(1, $1) g")
+        .bind(ACCOUNTS)
+        .execute(&db.pool)
+        .await?;
+    let (mut state, mut enqueue, mut raw) =
+        (Sample::default(), Sample::default(), Sample::default());
+    for round in 0..settings.rounds {
+        // Interleaved, so drift (autovacuum, table growth, a busy core) hits every variant alike.
+        state.push(rate(&db.pool, Variant::Alone, settings).await?);
+        enqueue.push(rate(&db.pool, Variant::WithEnqueue, settings).await?);
+        raw.push(rate(&db.pool, Variant::WithRawSql, settings).await?);
+        eprintln!(
+            "P1 round {round}: state {:.0}, +enqueue {:.0}, +raw {:.0} tx/s",
+            state.values[round], enqueue.values[round], raw.values[round]
+        );
+    }
+    Ok(vec![
+        Figure::at_least(
+            "P1",
+            "state + enqueue",
+            "tx/s",
+            enqueue.clone(),
+            "state alone",
+            state,
+            Some(0.8),
+        ),
+        Figure::at_least(
+            "P1",
+            "state + enqueue",
+            "tx/s",
+            enqueue,
+            "state + same SQL, raw",
+            raw,
+            Some(0.95),
+        ),
+    ])
+}
+
+/// Transactions per second of `variant` from `settings.clients` concurrent connections.
+async fn rate(pool: &PgPool, variant: Variant, settings: &Settings) -> Result<f64> {
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = started + settings.duration;
+    let clients: Vec<_> = (0..settings.clients)
+        .map(|c| {
+            let (pool, done) = (pool.clone(), Arc::clone(&done));
+            tokio::spawn(async move {
+                let outbox = Outbox::default();
+                let mut i = c as i64;
+                while Instant::now() < deadline {
+                    one_transaction(&pool, &outbox, variant, i % ACCOUNTS + 1).await?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                    i += 7;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for c in clients {
+        c.await??;
+    }
+    Ok(done.load(Ordering::Relaxed) as f64
+        / started
+            .elapsed()
+            .max(Duration::from_millis(1))
+            .as_secs_f64())
+}
+
+async fn one_transaction(
+    pool: &PgPool,
+    outbox: &Outbox,
+    variant: Variant,
+    account: i64,
+) -> Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+        .bind(account)
+        .execute(&mut *tx)
+        .await?;
+    let key = account.to_string();
+    let payload = json!({ "account": account, "delta": 1 });
+    match variant {
+        Variant::Alone => {}
+        Variant::WithEnqueue => {
+            outbox
+                .enqueue(
+                    &mut tx,
+                    &NewEvent::new("account", &key, "Credited", &payload)?,
+                )
+                .await?;
+        }
+        Variant::WithRawSql => {
+            sqlx::query(RAW_INSERT)
+                .bind(uuid::Uuid::now_v7())
+                .bind("account")
+                .bind(&key)
+                .bind("Credited")
+                .bind(&payload)
+                .bind(json!({}))
+                .bind("outbox.event.account")
+                .execute(&mut *tx)
+                .await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! P2: relay throughput against its two ceilings; P5: the same with a million retained rows.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use futures::future::try_join_all;
+use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
+use outbox_tests::{TestDb, kafka_bootstrap, random_topic};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::json;
+use sqlx::PgPool;
+
+use crate::Settings;
+use crate::sample::{Figure, Sample};
+
+const KEYS: usize = 1_000;
+const PARTITIONS: i32 = 4;
+const RETAINED: i64 = 1_000_000;
+
+fn payload(n: usize) -> serde_json::Value {
+    json!({ "n": n, "decision": "send_invoice", "cents": 1200, "note": "x".repeat(100) })
+}
+
+async fn fill(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
+    for start in (0..events).step_by(1_000) {
+        let batch = (start..(start + 1_000).min(events))
+            .map(|n| {
+                Ok(
+                    NewEvent::new("invoice", format!("k{}", n % KEYS), "Decided", &payload(n))?
+                        .with_topic(topic)?,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut tx = pool.begin().await?;
+        outbox_producer::enqueue_all(&mut tx, &batch).await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
+    Ok(Relay::new(
+        pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default().batch_size(settings.batch_size),
+    )?)
+}
+
+/// Rows per second for `drain` to empty an outbox holding `events` fresh pending rows.
+async fn drained_rate(
+    pool: &PgPool,
+    topic: &str,
+    events: usize,
+    relay: &Relay,
+    publish: bool,
+) -> Result<f64> {
+    fill(pool, topic, events).await?;
+    let started = Instant::now();
+    let mut moved = 0;
+    loop {
+        let report = if publish {
+            relay.run_once().await?
+        } else {
+            relay.run_once_without_publishing().await?
+        };
+        if report.claimed == 0 {
+            break;
+        }
+        moved += report.published;
+    }
+    let elapsed = started.elapsed();
+    ensure!(moved == events, "relay moved {moved} of {events} rows");
+    Ok(events as f64 / elapsed.as_secs_f64())
+}
+
+/// Messages per second for a bare idempotent producer sending the same records from memory.
+async fn raw_produce_rate(topic: &str, events: usize) -> Result<f64> {
+    let producer: FutureProducer = producer_config(&kafka_bootstrap()).create()?;
+    let records: Vec<(String, String, String)> = (0..events)
+        .map(|n| {
+            (
+                format!("k{}", n % KEYS),
+                payload(n).to_string(),
+                uuid::Uuid::now_v7().to_string(),
+            )
+        })
+        .collect();
+    let started = Instant::now();
+    let deliveries = records.iter().map(|(key, value, id)| {
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "id",
+                value: Some(id),
+            })
+            .insert(Header {
+                key: "type",
+                value: Some("Decided"),
+            });
+        producer.send(
+            FutureRecord::to(topic)
+                .key(key)
+                .payload(value)
+                .headers(headers),
+            Duration::from_secs(30),
+        )
+    });
+    try_join_all(deliveries).await.map_err(|(e, _)| e)?;
+    Ok(events as f64 / started.elapsed().as_secs_f64())
+}
+
+pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
+    let events = settings.events;
+    let topic = random_topic(PARTITIONS).await?;
+    let empty = TestDb::new().await?;
+    let grown = TestDb::new().await?;
+    eprintln!("P5 setup: {RETAINED} published rows of history");
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic, status, published_at, attempts) \
+         SELECT gen_random_uuid(), 'invoice', 'k' || (g % 1000), 'Decided', '{\"n\": 0}', 'old', 'published', now(), 1 \
+         FROM generate_series(1, $1) g",
+    )
+    .bind(RETAINED)
+    .execute(&grown.pool)
+    .await?;
+    sqlx::query("VACUUM ANALYZE outbox_events")
+        .execute(&grown.pool)
+        .await?;
+
+    let (relay_empty, relay_grown) = (relay(&empty.pool, settings)?, relay(&grown.pool, settings)?);
+    let (mut relayed, mut produced, mut sql_only, mut relayed_grown) = (
+        Sample::default(),
+        Sample::default(),
+        Sample::default(),
+        Sample::default(),
+    );
+    for round in 0..settings.rounds {
+        sqlx::query("TRUNCATE outbox_events")
+            .execute(&empty.pool)
+            .await?;
+        relayed.push(drained_rate(&empty.pool, &topic, events, &relay_empty, true).await?);
+        produced.push(raw_produce_rate(&topic, events).await?);
+        sqlx::query("TRUNCATE outbox_events")
+            .execute(&empty.pool)
+            .await?;
+        sql_only.push(drained_rate(&empty.pool, &topic, events, &relay_empty, false).await?);
+        relayed_grown.push(drained_rate(&grown.pool, &topic, events, &relay_grown, true).await?);
+        eprintln!(
+            "P2 round {round}: relay {:.0}, raw produce {:.0}, claim+mark SQL {:.0}, relay over {RETAINED} retained {:.0} events/s",
+            relayed.values[round],
+            produced.values[round],
+            sql_only.values[round],
+            relayed_grown.values[round]
+        );
+    }
+    let (lower_name, lower) = if produced.median() <= sql_only.median() {
+        ("raw rdkafka produce (lower ceiling)", produced.clone())
+    } else {
+        ("claim+mark SQL only (lower ceiling)", sql_only.clone())
+    };
+    let mut absolute = Figure::at_least(
+        "P2",
+        "relay, absolute",
+        "ev/s",
+        relayed.clone(),
+        "20,000 events/s",
+        Sample {
+            values: vec![20_000.0],
+        },
+        Some(1.0),
+    );
+    absolute.target = "ratio >= 1 (20k ev/s)".into();
+    Ok(vec![
+        Figure::at_least(
+            "P2",
+            "relay: pending -> acked and marked",
+            "ev/s",
+            relayed.clone(),
+            lower_name,
+            lower,
+            Some(0.7),
+        ),
+        Figure::at_least(
+            "P2",
+            "relay",
+            "ev/s",
+            relayed.clone(),
+            "raw rdkafka produce",
+            produced,
+            None,
+        ),
+        Figure::at_least(
+            "P2",
+            "relay",
+            "ev/s",
+            relayed.clone(),
+            "claim+mark SQL only",
+            sql_only,
+            None,
+        ),
+        absolute,
+        Figure::at_least(
+            "P5",
+            "relay over 1M retained published rows",
+            "ev/s",
+            relayed_grown,
+            "relay over an empty table",
+            relayed,
+            Some(0.9),
+        ),
+    ])
+}

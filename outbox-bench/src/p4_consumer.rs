@@ -1,0 +1,204 @@
+//! P4: `dedup_consume` against a plain consumer running the same handler, and the two
+//! duplicate paths (in-memory cache vs dedup table).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use outbox_consumer::{
+    ConsumerConfig, DedupConsumer, Event, HandlerFuture, Outcome, consumer_config,
+};
+use outbox_core::EventId;
+use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
+use rdkafka::Message;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio_util::sync::CancellationToken;
+
+use crate::Settings;
+use crate::sample::{Figure, Sample};
+
+const PARTITIONS: i32 = 4;
+
+type Handler = for<'c> fn(
+    &'c Event<serde_json::Value>,
+    &'c mut Transaction<'static, Postgres>,
+) -> HandlerFuture<'c>;
+
+/// The handler both variants run: one insert on the given transaction.
+fn effect<'c>(
+    event: &'c Event<serde_json::Value>,
+    tx: &'c mut Transaction<'static, Postgres>,
+) -> HandlerFuture<'c> {
+    Box::pin(async move { insert_effect(tx, &event.key).await.map_err(Into::into) })
+}
+
+async fn insert_effect(
+    tx: &mut Transaction<'static, Postgres>,
+    key: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effects (key) VALUES ($1)")
+        .bind(key)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Effects per second between the first and the last effect (excludes the group join).
+async fn effect_rate(pool: &PgPool, expected: i64) -> Result<f64> {
+    eventually(
+        "every message has its effect",
+        Duration::from_secs(300),
+        || async {
+            Ok(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects")
+                .fetch_one(pool)
+                .await?
+                >= expected)
+        },
+    )
+    .await?;
+    let seconds: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM max(at) - min(at))::float8 FROM effects")
+            .fetch_one(pool)
+            .await?;
+    Ok((expected - 1) as f64 / seconds.max(1e-6))
+}
+
+fn stream(topic: &str) -> Result<StreamConsumer> {
+    let consumer: StreamConsumer =
+        consumer_config(&kafka_bootstrap(), &unique("bench")).create()?;
+    consumer.subscribe(&[topic])?;
+    Ok(consumer)
+}
+
+async fn dedup_rate(db: &TestDb, topic: &str, events: i64) -> Result<f64> {
+    sqlx::query("TRUNCATE effects").execute(&db.pool).await?;
+    let config = ConsumerConfig::new(unique("dedup")).max_concurrent_partitions(1);
+    let consumer = DedupConsumer::new(db.pool.clone(), config, effect as Handler)?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (consumer, shutdown, stream) = (consumer.clone(), shutdown.clone(), stream(topic)?);
+        async move { consumer.run(stream, shutdown).await }
+    });
+    let rate = effect_rate(&db.pool, events).await?;
+    shutdown.cancel();
+    running.await??;
+    Ok(rate)
+}
+
+/// The baseline: receive, run the handler in its own transaction, store the offset.
+async fn plain_rate(db: &TestDb, topic: &str, events: i64) -> Result<f64> {
+    sqlx::query("TRUNCATE effects").execute(&db.pool).await?;
+    let consumer = stream(topic)?;
+    for _ in 0..events {
+        let message = consumer.recv().await?;
+        let key = String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned();
+        let mut tx = db.pool.begin().await?;
+        insert_effect(&mut tx, &key).await?;
+        tx.commit().await?;
+        consumer.store_offset_from_message(&message)?;
+    }
+    effect_rate(&db.pool, events).await
+}
+
+fn message(n: i64) -> OwnedMessage {
+    let id = EventId::new().to_string();
+    let headers = OwnedHeaders::new().insert(Header {
+        key: "id",
+        value: Some(&id),
+    });
+    OwnedMessage::new(
+        Some(format!(r#"{{"n":{n}}}"#).into_bytes()),
+        Some(b"k".to_vec()),
+        "t".into(),
+        Timestamp::NotAvailable,
+        0,
+        n,
+        Some(headers),
+    )
+}
+
+/// Duplicates handled per second by `consumer` over `messages` already seen.
+async fn duplicate_rate(
+    consumer: &DedupConsumer<serde_json::Value, Handler>,
+    messages: &[OwnedMessage],
+    expect: &Outcome,
+) -> Result<f64> {
+    let none = CancellationToken::new();
+    let started = Instant::now();
+    for m in messages {
+        let outcome = consumer.process(m, &none).await?;
+        ensure!(outcome == *expect, "expected {expect:?}, got {outcome:?}");
+    }
+    Ok(messages.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
+    let events = (settings.events / 4) as i64;
+    let db = TestDb::new().await?;
+    sqlx::query(
+        "CREATE TABLE effects (key TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let topic = random_topic(PARTITIONS).await?;
+    for n in 0..events {
+        let id = EventId::new().to_string();
+        let payload = format!(r#"{{"n":{n}}}"#);
+        produce_raw(
+            &topic,
+            None,
+            Some(&format!("k{}", n % 100)),
+            Some(payload.as_bytes()),
+            &[("id", id.as_bytes())],
+        )
+        .await?;
+    }
+
+    let (mut dedup, mut plain) = (Sample::default(), Sample::default());
+    let (mut cached, mut stored) = (Sample::default(), Sample::default());
+    let messages: Vec<OwnedMessage> = (0..2_000).map(message).collect();
+    for round in 0..settings.rounds {
+        dedup.push(dedup_rate(&db, &topic, events).await?);
+        plain.push(plain_rate(&db, &topic, events).await?);
+
+        let name = unique("dup");
+        let warm = DedupConsumer::new(
+            db.pool.clone(),
+            ConsumerConfig::new(&name),
+            effect as Handler,
+        )?;
+        duplicate_rate(&warm, &messages, &Outcome::Processed).await?;
+        cached.push(duplicate_rate(&warm, &messages, &Outcome::DuplicateCached).await?);
+        let cold = DedupConsumer::new(
+            db.pool.clone(),
+            ConsumerConfig::new(&name),
+            effect as Handler,
+        )?;
+        stored.push(duplicate_rate(&cold, &messages, &Outcome::DuplicateStored).await?);
+        eprintln!(
+            "P4 round {round}: dedup {:.0}, plain {:.0} msg/s; duplicates: cache {:.0}, table {:.0} per s",
+            dedup.values[round], plain.values[round], cached.values[round], stored.values[round]
+        );
+    }
+    Ok(vec![
+        Figure::at_least(
+            "P4",
+            "dedup_consume, new ids (1 partition at a time)",
+            "msg/s",
+            dedup,
+            "plain consumer, same handler",
+            plain,
+            Some(0.8),
+        ),
+        Figure::at_least(
+            "P4",
+            "duplicate via moka cache",
+            "msg/s",
+            cached,
+            "duplicate via dedup table",
+            stored,
+            Some(10.0),
+        ),
+    ])
+}

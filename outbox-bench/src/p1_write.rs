@@ -16,15 +16,17 @@ use crate::sample::{Figure, Sample};
 const ACCOUNTS: i64 = 1_000;
 
 /// What the library sends for one event, issued by hand: the baseline for library overhead.
-const RAW_INSERT: &str = "WITH lock AS (SELECT pg_advisory_xact_lock(hashtext('outbox_events'), hashtext($3))) \
-    INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
-    SELECT $1, $2, $3, $4, $5, $6, $7 FROM lock";
+const RAW_INSERT: &str = "WITH lock AS (SELECT pg_advisory_xact_lock(hashtext('outbox_events'), hashtext($3))), \
+    ins AS (INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+    SELECT $1, $2, $3, $4, $5, $6, $7 FROM lock RETURNING 1) \
+    SELECT pg_notify('outbox_' || 'outbox_events'::regclass::oid::text, '') FROM (SELECT 1 FROM ins LIMIT 1) AS written";
 
 #[derive(Debug, Clone, Copy)]
 /// The state update, alone or with an outbox write.
 enum Variant {
     Alone,
     WithEnqueue,
+    WithQuietEnqueue,
     WithRawSql,
 }
 
@@ -37,12 +39,17 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         .bind(ACCOUNTS)
         .execute(&db.pool)
         .await?;
-    let (mut state, mut enqueue, mut raw) =
-        (Sample::default(), Sample::default(), Sample::default());
+    let (mut state, mut enqueue, mut quiet, mut raw) = (
+        Sample::default(),
+        Sample::default(),
+        Sample::default(),
+        Sample::default(),
+    );
     for round in 0..settings.rounds {
         // Interleaved, so drift (autovacuum, table growth, a busy core) hits every variant alike.
         state.push(rate(&db.pool, Variant::Alone, settings).await?);
         enqueue.push(rate(&db.pool, Variant::WithEnqueue, settings).await?);
+        quiet.push(rate(&db.pool, Variant::WithQuietEnqueue, settings).await?);
         raw.push(rate(&db.pool, Variant::WithRawSql, settings).await?);
         eprintln!(
             "P1 round {round}: state {:.0}, +enqueue {:.0}, +raw {:.0} tx/s",
@@ -80,7 +87,8 @@ async fn rate(pool: &PgPool, variant: Variant, settings: &Settings) -> Result<f6
         .map(|c| {
             let (pool, done) = (pool.clone(), Arc::clone(&done));
             tokio::spawn(async move {
-                let outbox = Outbox::default();
+                let outbox =
+                    Outbox::default().notify(!matches!(variant, Variant::WithQuietEnqueue));
                 let mut i = c as i64;
                 while Instant::now() < deadline {
                     one_transaction(&pool, &outbox, variant, i % ACCOUNTS + 1).await?;
@@ -116,7 +124,7 @@ async fn one_transaction(
     let payload = json!({ "account": account, "delta": 1 });
     match variant {
         Variant::Alone => {}
-        Variant::WithEnqueue => {
+        Variant::WithEnqueue | Variant::WithQuietEnqueue => {
             outbox
                 .enqueue(
                     &mut tx,

@@ -32,6 +32,16 @@ async fn latencies(listen: bool, settings: &Settings) -> Result<Vec<f64>> {
         let (relay, shutdown) = (relay.clone(), shutdown.clone());
         async move { relay.run(shutdown).await }
     });
+    // Warm up: the first publish waits for the producer's id and the topic's metadata.
+    let warmup = NewEvent::new("invoice", "warmup", "Decided", &json!({}))?.with_topic(&topic)?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue(&mut tx, &warmup).await?;
+    tx.commit().await?;
+    drained(&db).await?;
+    sqlx::query("DELETE FROM outbox_events")
+        .execute(&db.pool)
+        .await?;
+
     let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let deadline = Instant::now() + settings.duration;
@@ -76,6 +86,18 @@ async fn latencies(listen: bool, settings: &Settings) -> Result<Vec<f64>> {
         })
         .map(|ms| ms.max(0.0))
         .collect())
+}
+
+async fn drained(db: &TestDb) -> Result<()> {
+    outbox_tests::eventually("the outbox drains", Duration::from_secs(60), || async {
+        Ok(
+            outbox_producer::stats(&mut *db.pool.acquire().await?, &Default::default())
+                .await?
+                .pending
+                == 0,
+        )
+    })
+    .await
 }
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {

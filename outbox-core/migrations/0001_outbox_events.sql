@@ -24,15 +24,3 @@ CREATE INDEX outbox_events_pending_idx ON outbox_events (seq) WHERE status = 'pe
 -- Per-key order check: "is there an earlier unpublished row of this key?"
 CREATE INDEX outbox_events_unpublished_key_idx ON outbox_events (aggregateid, seq)
     WHERE status <> 'published';
-
--- Wake relays on commit. The channel is "<schema>.<table>" so outboxes in different schemas
--- (or with different table names) never wake each other's relays.
-CREATE FUNCTION outbox_events_notify() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
-    RETURN NULL;
-END
-$$;
-
-CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events
-    FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify();

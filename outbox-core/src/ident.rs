@@ -3,7 +3,7 @@ use std::fmt;
 use crate::CoreError;
 
 /// Longest table name accepted. Postgres truncates identifiers at 63 bytes; derived names
-/// (indexes, the notify function) append up to 20 bytes to the table name.
+/// (its indexes) append up to 20 bytes to the table name.
 const MAX_TABLE_NAME: usize = 40;
 
 /// A validated SQL identifier: lowercase ASCII letters, digits and `_`, starting with a

@@ -30,7 +30,7 @@ pub async fn migrate_with(pool: &PgPool, names: &TableNames) -> Result<(), CoreE
 
 /// A migrator that creates the tables under `names`.
 ///
-/// Every object a migration creates (indexes, the notify function and trigger) is named after
+/// Every object a migration creates (its indexes) is named after
 /// its table, so renaming the table renames them all. Names are validated [`crate::Ident`]s,
 /// so the rewritten SQL contains nothing but what the embedded migrations contain.
 pub fn migrator(names: &TableNames) -> Migrator {

@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use outbox_core::{EventId, NewEvent, TableNames};
+use outbox_core::{EventId, Ident, NewEvent, TableNames};
 use sqlx::PgConnection;
 
 use crate::ProducerError;
@@ -26,8 +26,10 @@ use crate::sql::EnqueueSql;
 /// ```
 #[derive(Debug, Clone)]
 pub struct Outbox {
+    table: Ident,
     sql: Arc<EnqueueSql>,
     lock_per_key: bool,
+    notify: bool,
 }
 
 impl Default for Outbox {
@@ -40,8 +42,10 @@ impl Outbox {
     /// An outbox writing to `names.outbox`, with per-key locking on.
     pub fn new(names: &TableNames) -> Self {
         Self {
-            sql: Arc::new(EnqueueSql::new(&names.outbox)),
+            table: names.outbox.clone(),
+            sql: Arc::new(EnqueueSql::new(&names.outbox, true, true)),
             lock_per_key: true,
+            notify: true,
         }
     }
 
@@ -52,6 +56,17 @@ impl Outbox {
     /// aggregate that the transaction already holds).
     pub fn lock_per_key(mut self, on: bool) -> Self {
         self.lock_per_key = on;
+        self.sql = Arc::new(EnqueueSql::new(&self.table, self.lock_per_key, self.notify));
+        self
+    }
+
+    /// Whether `enqueue` wakes relays with `NOTIFY` at commit (on by default), so events go
+    /// out within milliseconds. Postgres serializes committing transactions that notify, so
+    /// under heavy concurrent writing this costs throughput (see the README's benchmarks);
+    /// with it off, relays find rows by polling every `poll_interval`.
+    pub fn notify(mut self, on: bool) -> Self {
+        self.notify = on;
+        self.sql = Arc::new(EnqueueSql::new(&self.table, self.lock_per_key, self.notify));
         self
     }
 
@@ -62,12 +77,7 @@ impl Outbox {
         conn: &mut PgConnection,
         event: &NewEvent,
     ) -> Result<EventId, ProducerError> {
-        let statement = if self.lock_per_key {
-            &self.sql.insert_locked
-        } else {
-            &self.sql.insert_unlocked
-        };
-        sqlx::query(statement.clone())
+        sqlx::query(self.sql.one.clone())
             .bind(event.id())
             .bind(event.aggregate_type())
             .bind(event.aggregate_id())
@@ -89,14 +99,9 @@ impl Outbox {
         if events.is_empty() {
             return Ok(Vec::new());
         }
-        let statement = if self.lock_per_key {
-            &self.sql.insert_many_locked
-        } else {
-            &self.sql.insert_many_unlocked
-        };
         let column =
             |f: fn(&NewEvent) -> &str| events.iter().map(|e| f(e).to_owned()).collect::<Vec<_>>();
-        sqlx::query(statement.clone())
+        sqlx::query(self.sql.many.clone())
             .bind(events.iter().map(|e| *e.id().as_uuid()).collect::<Vec<_>>())
             .bind(column(NewEvent::aggregate_type))
             .bind(column(NewEvent::aggregate_id))

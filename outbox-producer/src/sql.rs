@@ -10,49 +10,70 @@ fn sql(text: String) -> SqlStr {
     sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(text))
 }
 
-/// Statements of the enqueue path.
+/// The `NOTIFY` channel of an outbox table: its OID, so that outboxes in different schemas
+/// (or under different names) never wake each other's relays. Writers and relays both resolve
+/// the table through their `search_path`.
+pub(crate) fn channel_sql(table: &Ident) -> String {
+    format!("'outbox_' || '{}'::regclass::oid::text", table.as_str())
+}
+
+/// The enqueue statements for one table and one choice of options.
 #[derive(Debug, Clone)]
 pub(crate) struct EnqueueSql {
-    pub(crate) insert_locked: SqlStr,
-    pub(crate) insert_unlocked: SqlStr,
-    pub(crate) insert_many_locked: SqlStr,
-    pub(crate) insert_many_unlocked: SqlStr,
+    pub(crate) one: SqlStr,
+    pub(crate) many: SqlStr,
 }
 
 const COLUMNS: &str = "id, aggregatetype, aggregateid, type, payload, headers, topic";
 
 impl EnqueueSql {
-    pub(crate) fn new(table: &Ident) -> Self {
+    pub(crate) fn new(table: &Ident, lock_per_key: bool, notify: bool) -> Self {
         // The advisory lock's first key namespaces it by table, so the framework's locks never
         // meet the application's. The lock is taken before the row draws its sequence number,
         // so for one aggregate the sequence order is the commit order.
-        let lock_one = format!(
-            "pg_advisory_xact_lock(hashtext('{}'), hashtext($3))",
-            table.as_str()
-        );
+        let name = table.as_str();
+        let lock_one =
+            format!("lock AS (SELECT pg_advisory_xact_lock(hashtext('{name}'), hashtext($3)))");
         let lock_many = format!(
-            "SELECT count(pg_advisory_xact_lock(hashtext('{}'), h)) AS n \
-             FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($3::text[]) AS k ORDER BY h) AS keys",
-            table.as_str()
+            "lock AS (SELECT count(pg_advisory_xact_lock(hashtext('{name}'), h)) AS n \
+             FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest($3::text[]) AS k ORDER BY h) AS keys)"
         );
+        let values_one = "SELECT $1, $2, $3, $4, $5, $6, $7";
         let values_many = "SELECT t.id, t.aggregatetype, t.aggregateid, t.type, t.payload, t.headers, t.topic \
              FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], $7::text[]) \
              WITH ORDINALITY AS t(id, aggregatetype, aggregateid, type, payload, headers, topic, ord)";
+        let build = |lock: &str, values: &str, order: &str| {
+            let mut ctes = Vec::new();
+            let mut source = values.to_owned();
+            if lock_per_key {
+                ctes.push(lock.to_owned());
+                source = format!(
+                    "{source} {} lock",
+                    if order.is_empty() {
+                        "FROM"
+                    } else {
+                        "CROSS JOIN"
+                    }
+                );
+            }
+            let insert = format!("INSERT INTO {table} ({COLUMNS}) {source} {order}");
+            if notify {
+                // Delivered at commit, and only then: a rolled-back write wakes nobody.
+                ctes.push(format!("ins AS ({insert} RETURNING 1)"));
+                let with = ctes.join(", ");
+                sql(format!(
+                    "WITH {with} SELECT pg_notify({}, '') FROM (SELECT 1 FROM ins LIMIT 1) AS written",
+                    channel_sql(table)
+                ))
+            } else if ctes.is_empty() {
+                sql(insert)
+            } else {
+                sql(format!("WITH {} {insert}", ctes.join(", ")))
+            }
+        };
         Self {
-            insert_locked: sql(format!(
-                "WITH lock AS (SELECT {lock_one}) \
-                 INSERT INTO {table} ({COLUMNS}) SELECT $1, $2, $3, $4, $5, $6, $7 FROM lock"
-            )),
-            insert_unlocked: sql(format!(
-                "INSERT INTO {table} ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)"
-            )),
-            insert_many_locked: sql(format!(
-                "WITH lock AS ({lock_many}) \
-                 INSERT INTO {table} ({COLUMNS}) {values_many} CROSS JOIN lock ORDER BY t.ord"
-            )),
-            insert_many_unlocked: sql(format!(
-                "INSERT INTO {table} ({COLUMNS}) {values_many} ORDER BY t.ord"
-            )),
+            one: build(&lock_one, values_one, ""),
+            many: build(&lock_many, values_many, "ORDER BY t.ord"),
         }
     }
 }

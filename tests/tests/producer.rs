@@ -567,3 +567,28 @@ async fn after_publish_delete_removes_acknowledged_rows() -> Result<()> {
     assert_eq!(read_all(&topic, 1, READ_TIMEOUT).await?.len(), 5);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_enqueue_option_writes_the_rows_in_order() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mut expected = Vec::new();
+    for lock in [true, false] {
+        for notify in [true, false] {
+            let outbox = Outbox::default().lock_per_key(lock).notify(notify);
+            let label = format!("{lock}-{notify}");
+            let batch = (0..3)
+                .map(|n| event("t", &label, n))
+                .collect::<Result<Vec<_>>>()?;
+            let mut tx = db.pool.begin().await?;
+            expected.push(outbox.enqueue(&mut tx, &event("t", &label, 9)?).await?);
+            expected.extend(outbox.enqueue_all(&mut tx, &batch).await?);
+            tx.commit().await?;
+        }
+    }
+    let stored: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events ORDER BY seq")
+        .fetch_all(&db.pool)
+        .await?;
+    let expected: Vec<uuid::Uuid> = expected.iter().map(|id| *id.as_uuid()).collect();
+    assert_eq!(stored, expected);
+    Ok(())
+}

@@ -37,7 +37,7 @@ pub struct RelayConfig {
     pub batch_size: u32,
     /// How often to look for rows when no notification arrives.
     pub poll_interval: Duration,
-    /// Wake up on `NOTIFY` from the outbox insert trigger (polling still runs as fallback).
+    /// Wake up on the `NOTIFY` that `enqueue` sends at commit (polling still runs as fallback).
     pub listen: bool,
     /// Attempts before a row with transient failures is quarantined.
     pub max_attempts: u32,

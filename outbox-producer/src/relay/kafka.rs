@@ -21,7 +21,7 @@ pub fn producer_config(bootstrap_servers: &str) -> ClientConfig {
     config
         .set("bootstrap.servers", bootstrap_servers)
         .set("message.timeout.ms", "30000")
-        .set("linger.ms", "5");
+        .set("linger.ms", "0");
     enforce_required(&mut config);
     config
 }

@@ -360,11 +360,13 @@ impl Relay {
 
     async fn listen(&self) -> Option<PgListener> {
         let listen = async {
-            let schema: String = sqlx::query_scalar("SELECT current_schema()")
-                .fetch_one(&self.inner.pool)
-                .await?;
+            let channel: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT {}",
+                crate::sql::channel_sql(&self.inner.config.tables.outbox)
+            )))
+            .fetch_one(&self.inner.pool)
+            .await?;
             let mut listener = PgListener::connect_with(&self.inner.pool).await?;
-            let channel = format!("{schema}.{}", self.inner.config.tables.outbox.as_str());
             listener.listen(&channel).await?;
             Ok::<_, sqlx::Error>(listener)
         };

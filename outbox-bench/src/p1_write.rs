@@ -52,8 +52,8 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         quiet.push(rate(&db.pool, Variant::WithQuietEnqueue, settings).await?);
         raw.push(rate(&db.pool, Variant::WithRawSql, settings).await?);
         eprintln!(
-            "P1 round {round}: state {:.0}, +enqueue {:.0}, +raw {:.0} tx/s",
-            state.values[round], enqueue.values[round], raw.values[round]
+            "P1 round {round}: state {:.0}, +enqueue {:.0} (without NOTIFY {:.0}), +raw {:.0} tx/s",
+            state.values[round], enqueue.values[round], quiet.values[round], raw.values[round]
         );
     }
     Ok(vec![

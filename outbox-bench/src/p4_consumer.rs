@@ -4,14 +4,17 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
+use futures::future::try_join_all;
 use outbox_consumer::{
     ConsumerConfig, DedupConsumer, Event, HandlerFuture, Outcome, consumer_config,
 };
 use outbox_core::EventId;
-use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
+use outbox_producer::producer_config;
+use outbox_tests::{TestDb, eventually, kafka_bootstrap, random_topic, unique};
 use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 
@@ -142,18 +145,31 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     .execute(&db.pool)
     .await?;
     let topic = random_topic(PARTITIONS).await?;
-    for n in 0..events {
-        let id = EventId::new().to_string();
-        let payload = format!(r#"{{"n":{n}}}"#);
-        produce_raw(
-            &topic,
-            None,
-            Some(&format!("k{}", n % 100)),
-            Some(payload.as_bytes()),
-            &[("id", id.as_bytes())],
+    let producer: FutureProducer = producer_config(&kafka_bootstrap()).create()?;
+    let records: Vec<(String, String, String)> = (0..events)
+        .map(|n| {
+            (
+                format!("k{}", n % 100),
+                format!(r#"{{"n":{n}}}"#),
+                EventId::new().to_string(),
+            )
+        })
+        .collect();
+    try_join_all(records.iter().map(|(key, payload, id)| {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "id",
+            value: Some(id),
+        });
+        producer.send(
+            FutureRecord::to(&topic)
+                .key(key)
+                .payload(payload)
+                .headers(headers),
+            Duration::from_secs(30),
         )
-        .await?;
-    }
+    }))
+    .await
+    .map_err(|(e, _)| e)?;
 
     let (mut dedup, mut plain) = (Sample::default(), Sample::default());
     let (mut cached, mut stored) = (Sample::default(), Sample::default());

@@ -5,9 +5,15 @@
 //! outbox status [--json]
 //! outbox prune dedup --older-than 7d
 //! outbox prune published --older-than 3d
+//! outbox quarantine list relay|consumer [--json]
+//! outbox quarantine show|requeue|discard relay|consumer ID...
+//! outbox relay --brokers 127.0.0.1:9092
 //! ```
 //! The database comes from `--database-url` or `DATABASE_URL`; tables resolve through its
 //! `search_path`.
+
+mod quarantine;
+mod relay;
 
 use std::time::Duration;
 
@@ -60,6 +66,13 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         batch: u32,
     },
+    /// Inspect, requeue or discard quarantined entries.
+    Quarantine {
+        #[command(subcommand)]
+        action: quarantine::Action,
+    },
+    /// Run the relay until SIGINT or SIGTERM.
+    Relay(relay::RelayArgs),
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -70,7 +83,7 @@ enum PruneTarget {
     Published,
 }
 
-#[tokio::main(flavor = "current_thread")]
+#[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -83,19 +96,28 @@ async fn main() -> Result<()> {
         .database_url
         .context("no database: pass --database-url or set DATABASE_URL")?;
     let pool = PgPoolOptions::new()
-        .max_connections(1)
+        .max_connections(if matches!(cli.command, Command::Relay(_)) {
+            4
+        } else {
+            1
+        })
         .acquire_timeout(Duration::from_secs(10))
         .connect(&url)
         .await
         .context("cannot connect to the database")?;
-    if let Command::Migrate = cli.command {
-        outbox_core::migrate_with(&pool, &tables).await?;
-        println!("migrations applied");
-        return Ok(());
-    }
+    let command = match cli.command {
+        Command::Migrate => {
+            outbox_core::migrate_with(&pool, &tables).await?;
+            println!("migrations applied");
+            return Ok(());
+        }
+        Command::Relay(args) => return relay::run(pool, tables, args).await,
+        other => other,
+    };
     let mut conn = pool.acquire().await?;
-    match cli.command {
-        Command::Migrate => {}
+    match command {
+        Command::Migrate | Command::Relay(_) => unreachable!("handled above"),
+        Command::Quarantine { action } => quarantine::run(&mut conn, &tables, action).await?,
         Command::Status { json } => {
             let outbox = outbox_producer::stats(&mut conn, &tables).await?;
             let consumer_quarantined: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(

@@ -91,3 +91,138 @@ async fn migrate_creates_the_tables_in_the_urls_schema() -> Result<()> {
     assert!(exists);
     Ok(())
 }
+
+async fn quarantine_two_outbox_rows(db: &TestDb) -> Result<Vec<i64>> {
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic, status, attempts, last_error) \
+         SELECT gen_random_uuid(), 'a', 'k', 't', '{}', 'topic', 'quarantined', 3, 'Permanent: too large' \
+         FROM generate_series(1, 2)",
+    )
+    .execute(&db.pool)
+    .await?;
+    Ok(
+        sqlx::query_scalar("SELECT seq FROM outbox_events ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await?,
+    )
+}
+
+#[tokio::test]
+async fn relay_quarantine_can_be_listed_requeued_and_discarded() -> Result<()> {
+    let db = TestDb::new().await?;
+    let seqs = quarantine_two_outbox_rows(&db).await?;
+    let (ok, stdout, stderr) = outbox(&db, &["quarantine", "list", "relay", "--json"])?;
+    assert!(ok, "{stderr}");
+    let listed: Vec<serde_json::Value> = serde_json::from_str(&stdout)?;
+    assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0]["last_error"], "Permanent: too large");
+
+    let (first, second) = (seqs[0].to_string(), seqs[1].to_string());
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "requeue", "relay", &first])?;
+    assert!(ok && stdout.contains("requeued 1"), "{stdout}");
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "discard", "relay", &second])?;
+    assert!(ok && stdout.contains("discarded 1"), "{stdout}");
+    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT status, attempts FROM outbox_events")
+        .fetch_all(&db.pool)
+        .await?;
+    assert_eq!(rows, [("pending".to_owned(), 0)]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    sqlx::query(
+        "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
+         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\"}', 'invalid_id', 'not a uuid'), \
+                ('billing', $1, 0, 8, NULL, NULL, '{}', 'missing_payload', 'no payload')",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await?;
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox_consumer_quarantine ORDER BY id")
+        .fetch_all(&db.pool)
+        .await?;
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "list", "consumer"])?;
+    assert!(
+        ok && stdout.lines().count() == 2 && stdout.contains("invalid_id"),
+        "{stdout}"
+    );
+
+    let first = ids[0].to_string();
+    let brokers = outbox_tests::kafka_bootstrap();
+    let (ok, stdout, stderr) = outbox(
+        &db,
+        &[
+            "quarantine",
+            "requeue",
+            "consumer",
+            &first,
+            "--brokers",
+            &brokers,
+        ],
+    )?;
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.trim(), "requeued 1 messages");
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        (records[0].key.as_str(), records[0].payload.as_str()),
+        ("k", "{broken")
+    );
+    assert_eq!(
+        records[0].headers.get("type").map(String::as_str),
+        Some("T")
+    );
+
+    let (ok, stdout, _) = outbox(
+        &db,
+        &["quarantine", "discard", "consumer", &ids[1].to_string()],
+    )?;
+    assert!(ok && stdout.contains("discarded 1"), "{stdout}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(left, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_process_publishes_and_stops_cleanly_on_sigterm() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let url = format!(
+        "{}?options=-c%20search_path%3D{}",
+        database_url(),
+        db.schema
+    );
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args([
+            "relay",
+            "--brokers",
+            &outbox_tests::kafka_bootstrap(),
+            "--poll-interval",
+            "100ms",
+        ])
+        .env("DATABASE_URL", url)
+        .spawn()?;
+    let event =
+        outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?.with_topic(&topic)?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue(&mut tx, &event).await?;
+    tx.commit().await?;
+    outbox_tests::eventually(
+        "the relay process publishes",
+        std::time::Duration::from_secs(30),
+        || async { Ok(outbox_tests::count_status(&db.pool, "published").await? == 1) },
+    )
+    .await?;
+    let status = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()?;
+    assert!(status.success());
+    let exit = relay.wait()?;
+    assert!(exit.success(), "relay exited with {exit}");
+    Ok(())
+}

@@ -38,6 +38,7 @@ mod dedup;
 mod error;
 mod event;
 mod prune;
+pub mod quarantine;
 mod runner;
 mod sql;
 

@@ -29,6 +29,7 @@
 mod enqueue;
 mod error;
 mod maintenance;
+pub mod quarantine;
 pub mod relay;
 mod sql;
 

@@ -1,0 +1,183 @@
+//! `outbox quarantine ...`: look at, requeue or discard what either side quarantined.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use clap::{Subcommand, ValueEnum};
+use outbox_core::TableNames;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::PgConnection;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Side {
+    /// Outbox rows the relay could not publish (ids are `seq`).
+    Relay,
+    /// Messages a consumer could not handle (ids are quarantine row ids).
+    Consumer,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Action {
+    /// List the oldest quarantined entries of one side.
+    List {
+        side: Side,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show entries in full (consumer payloads as text), as JSON.
+    Show { side: Side, ids: Vec<i64> },
+    /// Relay: make the rows pending again. Consumer: publish the messages again, as received,
+    /// to their topic and partition (they land after what came since), then delete them here.
+    Requeue {
+        side: Side,
+        #[arg(required = true)]
+        ids: Vec<i64>,
+        /// Kafka bootstrap servers, for consumer requeues.
+        #[arg(long, env = "KAFKA_BROKERS")]
+        brokers: Option<String>,
+    },
+    /// Delete entries for good.
+    Discard {
+        side: Side,
+        #[arg(required = true)]
+        ids: Vec<i64>,
+    },
+}
+
+pub(crate) async fn run(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    action: Action,
+) -> Result<()> {
+    match action {
+        Action::List {
+            side: Side::Relay,
+            limit,
+            json,
+        } => {
+            let rows = outbox_producer::quarantine::list_quarantined(conn, tables, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+            }
+            for r in rows.iter().filter(|_| !json) {
+                let error = r.last_error.as_deref().unwrap_or("");
+                println!(
+                    "{}\t{}\t{}\t{}\tattempts={}\t{error}",
+                    r.seq, r.id, r.topic, r.aggregateid, r.attempts
+                );
+            }
+        }
+        Action::List {
+            side: Side::Consumer,
+            limit,
+            json,
+        } => {
+            let rows = outbox_consumer::quarantine::list_quarantined(conn, tables, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+            }
+            for r in rows.iter().filter(|_| !json) {
+                println!(
+                    "{}\t{}\t{}[{}]@{}\t{}\t{}",
+                    r.id, r.consumer, r.topic, r.partition, r.offset, r.reason, r.error
+                );
+            }
+        }
+        Action::Show {
+            side: Side::Relay,
+            ids,
+        } => {
+            let rows =
+                outbox_producer::quarantine::list_quarantined(conn, tables, i64::MAX).await?;
+            let rows: Vec<_> = rows.into_iter().filter(|r| ids.contains(&r.seq)).collect();
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        }
+        Action::Show {
+            side: Side::Consumer,
+            ids,
+        } => {
+            let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
+            let shown: Vec<_> = rows
+                .iter()
+                .map(|r| {
+                    let text = |b: &Option<Vec<u8>>| b.as_deref().map(|b| String::from_utf8_lossy(b).into_owned());
+                    serde_json::json!({ "entry": r, "key_text": text(&r.message_key), "payload_text": text(&r.payload) })
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&shown)?);
+        }
+        Action::Requeue {
+            side: Side::Relay,
+            ids,
+            ..
+        } => {
+            let n = outbox_producer::quarantine::requeue(conn, tables, &ids).await?;
+            println!("requeued {n} rows");
+        }
+        Action::Requeue {
+            side: Side::Consumer,
+            ids,
+            brokers,
+        } => {
+            let brokers = brokers.context(
+                "consumer requeue publishes to Kafka: pass --brokers or set KAFKA_BROKERS",
+            )?;
+            let producer: FutureProducer = outbox_producer::producer_config(&brokers).create()?;
+            let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
+            ensure!(
+                rows.len() == ids.len(),
+                "found {} of the {} ids",
+                rows.len(),
+                ids.len()
+            );
+            for r in &rows {
+                let headers = r
+                    .headers
+                    .0
+                    .iter()
+                    .fold(OwnedHeaders::new(), |h, (key, value)| {
+                        h.insert(Header {
+                            key,
+                            value: Some(value.as_str().unwrap_or_default()),
+                        })
+                    });
+                let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
+                    .partition(r.partition)
+                    .headers(headers);
+                if let Some(key) = &r.message_key {
+                    record = record.key(key);
+                }
+                if let Some(payload) = &r.payload {
+                    record = record.payload(payload);
+                }
+                producer
+                    .send(record, Duration::from_secs(30))
+                    .await
+                    .map_err(|(e, _)| e)?;
+                // Deleted only after the broker acknowledged the copy: at worst it is both
+                // republished and still listed, never lost.
+                outbox_consumer::quarantine::discard(conn, tables, &[r.id]).await?;
+            }
+            println!("requeued {} messages", rows.len());
+        }
+        Action::Discard {
+            side: Side::Relay,
+            ids,
+        } => {
+            let n = outbox_producer::quarantine::discard(conn, tables, &ids).await?;
+            println!("discarded {n} rows");
+        }
+        Action::Discard {
+            side: Side::Consumer,
+            ids,
+        } => {
+            let n = outbox_consumer::quarantine::discard(conn, tables, &ids).await?;
+            println!("discarded {n} messages");
+        }
+    }
+    Ok(())
+}

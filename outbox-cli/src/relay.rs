@@ -1,0 +1,72 @@
+//! `outbox relay`: the relay as its own process.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use outbox_core::TableNames;
+use outbox_producer::{AfterPublish, QuarantinePolicy, Relay, RelayConfig, producer_config};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Args)]
+pub(crate) struct RelayArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS")]
+    brokers: String,
+    /// Rows per batch.
+    #[arg(long, default_value_t = 500)]
+    batch_size: u32,
+    /// Fallback polling interval, like `1s` or `250ms`.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1s")]
+    poll_interval: Duration,
+    /// Transient failures before a row is quarantined.
+    #[arg(long, default_value_t = 10)]
+    max_attempts: u32,
+    /// Delete rows once published instead of marking them.
+    #[arg(long)]
+    delete_published: bool,
+    /// Hold an aggregate's later rows behind its quarantined row.
+    #[arg(long)]
+    block_key_on_quarantine: bool,
+}
+
+pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Result<()> {
+    let config = RelayConfig::default()
+        .tables(tables)
+        .batch_size(args.batch_size)
+        .poll_interval(args.poll_interval)
+        .max_attempts(args.max_attempts)
+        .after_publish(if args.delete_published {
+            AfterPublish::Delete
+        } else {
+            AfterPublish::Mark
+        })
+        .quarantine_policy(if args.block_key_on_quarantine {
+            QuarantinePolicy::BlockKey
+        } else {
+            QuarantinePolicy::SkipQuarantined
+        });
+    let relay = Relay::new(pool, &producer_config(&args.brokers), config)?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown_signal().await;
+            eprintln!("shutting down: finishing the batch in flight");
+            shutdown.cancel();
+        }
+    });
+    eprintln!("relaying to {}", args.brokers);
+    relay.run(shutdown).await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut terminate =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        Some(()) = async { terminate.as_mut()?.recv().await } => {}
+    }
+}

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use outbox_core::TableNames;
 use outbox_producer::{AfterPublish, QuarantinePolicy, Relay, RelayConfig, producer_config};
@@ -29,6 +29,9 @@ pub(crate) struct RelayArgs {
     /// Hold an aggregate's later rows behind its quarantined row.
     #[arg(long)]
     block_key_on_quarantine: bool,
+    /// Serve Prometheus metrics on this address (for example `127.0.0.1:9464`).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Result<()> {
@@ -47,6 +50,13 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
         } else {
             QuarantinePolicy::SkipQuarantined
         });
+    if let Some(addr) = args.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("cannot serve metrics on {addr}"))?;
+        eprintln!("metrics on http://{addr}/metrics");
+    }
     let relay = Relay::new(pool, &producer_config(&args.brokers), config)?;
     let shutdown = CancellationToken::new();
     tokio::spawn({

@@ -5,15 +5,19 @@ use std::process::Command;
 use anyhow::Result;
 use outbox_tests::{TestDb, database_url};
 
-fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {
-    let url = format!(
+/// The test database's URL with the test's schema as `search_path`.
+fn schema_url(db: &TestDb) -> String {
+    format!(
         "{}?options=-c%20search_path%3D{}",
         database_url(),
         db.schema
-    );
+    )
+}
+
+fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {
     let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
         .args(args)
-        .env("DATABASE_URL", url)
+        .env("DATABASE_URL", schema_url(db))
         .env("RUST_BACKTRACE", "0")
         .output()?;
     Ok((
@@ -192,21 +196,20 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
 async fn relay_process_publishes_and_stops_cleanly_on_sigterm() -> Result<()> {
     let db = TestDb::new().await?;
     let topic = outbox_tests::random_topic(1).await?;
-    let url = format!(
-        "{}?options=-c%20search_path%3D{}",
-        database_url(),
-        db.schema
+    let metrics_addr = free_local_addr()?;
+    let mut relay = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args([
+                "relay",
+                "--brokers",
+                &outbox_tests::kafka_bootstrap(),
+                "--poll-interval",
+                "100ms",
+            ])
+            .args(["--metrics-addr", &metrics_addr])
+            .env("DATABASE_URL", schema_url(&db))
+            .spawn()?,
     );
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args([
-            "relay",
-            "--brokers",
-            &outbox_tests::kafka_bootstrap(),
-            "--poll-interval",
-            "100ms",
-        ])
-        .env("DATABASE_URL", url)
-        .spawn()?;
     let event =
         outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?.with_topic(&topic)?;
     let mut tx = db.pool.begin().await?;
@@ -218,11 +221,47 @@ async fn relay_process_publishes_and_stops_cleanly_on_sigterm() -> Result<()> {
         || async { Ok(outbox_tests::count_status(&db.pool, "published").await? == 1) },
     )
     .await?;
+    let scraped = scrape(&metrics_addr)?;
+    assert!(
+        scraped
+            .lines()
+            .any(|l| l.starts_with("outbox_relay_published_total") && l.ends_with(" 1")),
+        "{scraped}"
+    );
+    assert!(
+        scraped.contains("outbox_relay_publish_latency_seconds"),
+        "{scraped}"
+    );
     let status = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
+        .args(["-TERM", &relay.0.id().to_string()])
         .status()?;
     assert!(status.success());
-    let exit = relay.wait()?;
+    let exit = relay.0.wait()?;
     assert!(exit.success(), "relay exited with {exit}");
     Ok(())
+}
+
+/// A child process that is killed if the test ends early, so no relay outlives its test.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_local_addr() -> Result<String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.to_string())
+}
+
+/// A plain HTTP/1.0 GET of /metrics: no client library needed for one request.
+fn scrape(addr: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body)?;
+    Ok(body)
 }

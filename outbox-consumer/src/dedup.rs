@@ -73,6 +73,27 @@ fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Counts `outcome` for `consumer` in the process's metrics recorder (a no-op without one).
+fn record_metric(consumer: &str, outcome: &Outcome) {
+    let consumer = consumer.to_owned();
+    match outcome {
+        Outcome::Processed => {
+            metrics::counter!("outbox_consumer_processed_total", "consumer" => consumer)
+                .increment(1)
+        }
+        Outcome::DuplicateCached => {
+            metrics::counter!("outbox_consumer_duplicates_total", "consumer" => consumer, "via" => "cache").increment(1);
+        }
+        Outcome::DuplicateStored => {
+            metrics::counter!("outbox_consumer_duplicates_total", "consumer" => consumer, "via" => "table").increment(1);
+        }
+        Outcome::Quarantined(reason) => {
+            metrics::counter!("outbox_consumer_quarantined_total", "consumer" => consumer, "reason" => *reason).increment(1);
+        }
+        Outcome::Abandoned => {}
+    }
+}
+
 /// Runs a handler once per (consumer name, event id), however often Kafka delivers the event.
 ///
 /// For each message: decode under the wire contract (or quarantine); skip if the id is in the
@@ -197,6 +218,19 @@ where
         message: &OwnedMessage,
         shutdown: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
+        let started = std::time::Instant::now();
+        let outcome = self.process_unmetered(message, shutdown).await?;
+        record_metric(&self.inner.name, &outcome);
+        metrics::histogram!("outbox_consumer_message_seconds", "consumer" => self.inner.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        Ok(outcome)
+    }
+
+    async fn process_unmetered(
+        &self,
+        message: &OwnedMessage,
+        shutdown: &CancellationToken,
+    ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
         let event = match self.decode(message) {
             Ok(event) => event,
@@ -244,6 +278,7 @@ where
             };
             tx.rollback().await?;
             bump(&inner.counters.handler_errors);
+            metrics::counter!("outbox_consumer_handler_errors_total", "consumer" => inner.name.clone()).increment(1);
             let config = &inner.config;
             let give_up = config.on_handler_failure == HandlerFailurePolicy::Quarantine
                 && attempt >= config.max_attempts;

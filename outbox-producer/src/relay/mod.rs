@@ -52,6 +52,9 @@ use crate::sql::RelaySql;
 use failure::{FailureKind, backoff, classify};
 use kafka::OutboxRow;
 
+/// How often [`Relay::run`] refreshes the depth and lag gauges.
+const STATS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Longest pause of [`Relay::run`] after a failed batch (database or broker unreachable).
 const RELAY_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -257,12 +260,19 @@ impl Relay {
             ..BatchReport::default()
         };
         let mut published = Vec::new();
+        let table = config.tables.outbox.as_str().to_owned();
+        // From the decision (created_at) to Kafka's acknowledgement.
+        let latency =
+            metrics::histogram!("outbox_relay_publish_latency_seconds", "table" => table.clone());
+        let now = chrono::Utc::now();
         let (mut seqs, mut statuses, mut delays, mut errors) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (row, outcome) in rows.iter().zip(outcomes) {
             let error = match outcome {
                 Outcome::Delivered => {
                     published.push(row.seq);
+                    let age = (now - row.created_at).to_std().unwrap_or_default();
+                    latency.record(age.as_secs_f64());
                     continue;
                 }
                 Outcome::Deferred => {
@@ -291,6 +301,12 @@ impl Relay {
             errors.push(reason);
         }
         report.published = published.len();
+        metrics::counter!("outbox_relay_published_total", "table" => table.clone())
+            .increment(published.len() as u64);
+        metrics::counter!("outbox_relay_failed_total", "table" => table.clone())
+            .increment(seqs.len() as u64);
+        metrics::counter!("outbox_relay_quarantined_total", "table" => table)
+            .increment(report.quarantined as u64);
         if !published.is_empty() {
             let statement = match config.after_publish {
                 AfterPublish::Mark => &self.inner.sql.mark_published,
@@ -321,7 +337,12 @@ impl Relay {
         let config = &self.inner.config;
         let mut listener = None;
         let mut failures = 0_u32;
+        let mut stats_due = tokio::time::Instant::now();
         while !shutdown.is_cancelled() {
+            if tokio::time::Instant::now() >= stats_due {
+                self.export_stats().await;
+                stats_due = tokio::time::Instant::now() + STATS_INTERVAL;
+            }
             if config.listen && listener.is_none() {
                 listener = self.listen().await;
             }
@@ -356,6 +377,26 @@ impl Relay {
             }
         }
         self.flush().await
+    }
+
+    /// Sets the depth, lag and quarantine gauges (a failure only skips this export).
+    async fn export_stats(&self) {
+        let tables = &self.inner.config.tables;
+        let stats = async {
+            let mut conn = self.inner.pool.acquire().await?;
+            crate::stats(&mut conn, tables).await
+        };
+        match stats.await {
+            Ok(s) => {
+                let table = tables.outbox.as_str().to_owned();
+                metrics::gauge!("outbox_pending", "table" => table.clone()).set(s.pending as f64);
+                metrics::gauge!("outbox_quarantined", "table" => table.clone())
+                    .set(s.quarantined as f64);
+                metrics::gauge!("outbox_oldest_pending_age_seconds", "table" => table)
+                    .set(s.oldest_pending_age_ms.unwrap_or(0) as f64 / 1000.0);
+            }
+            Err(error) => tracing::debug!(%error, "cannot read outbox stats for metrics"),
+        }
     }
 
     async fn listen(&self) -> Option<PgListener> {

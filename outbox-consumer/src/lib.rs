@@ -16,6 +16,10 @@
 //!
 //! Dedup rows live until [`prune`] removes them; see its docs for choosing the TTL.
 //!
+//! Handlers run beside the Kafka poll loop, so a slow handler does not stop polling; but once
+//! a partition has 256 messages queued the loop waits for it, and a handler stuck for longer
+//! than `max.poll.interval.ms` costs the member its partitions. Bound handler time.
+//!
 //! ```no_run
 //! # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
 //! use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};

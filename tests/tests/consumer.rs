@@ -565,3 +565,68 @@ async fn block_policy_retries_until_shutdown_and_never_quarantines() -> Result<(
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_joining_mid_stream_causes_no_double_effect() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(4).await?;
+    let group = unique("g");
+    let send_batch = |from: i64| {
+        let topic = topic.clone();
+        async move {
+            for n in from..from + 100 {
+                send_event(
+                    &topic,
+                    EventId::new(),
+                    &format!("k{}", n % 10),
+                    &format!(r#"{{"n":{n}}}"#),
+                )
+                .await?;
+            }
+            anyhow::Ok(())
+        }
+    };
+    let effect_count = || async {
+        Ok::<_, anyhow::Error>(
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT count(*), count(DISTINCT event_id) FROM effects",
+            )
+            .fetch_one(&db.pool)
+            .await?,
+        )
+    };
+    send_batch(0).await?;
+    let first = consumer(&db, ConsumerConfig::new("c1"))?;
+    let (stop_first, run_first) = spawn_run(&first, &topic, &group)?;
+    eventually("the first member is working", WAIT, || async {
+        Ok(effect_count().await?.0 > 0)
+    })
+    .await?;
+
+    // A second member joins while the first has messages in flight: partitions move.
+    let second = consumer(&db, ConsumerConfig::new("c1"))?;
+    let (stop_second, run_second) = spawn_run(&second, &topic, &group)?;
+    send_batch(100).await?;
+    eventually(
+        "every event has an effect",
+        Duration::from_secs(120),
+        || async { Ok(effect_count().await?.1 == 200) },
+    )
+    .await?;
+    stop_first.cancel();
+    stop_second.cancel();
+    run_first.await??;
+    run_second.await??;
+    assert!(
+        handled(&second) > 0,
+        "the joining member took over partitions: {:?}",
+        second.stats()
+    );
+    assert_eq!(
+        effect_count().await?,
+        (200, 200),
+        "one effect per event id across the rebalance"
+    );
+    Ok(())
+}

@@ -105,18 +105,18 @@ async fn main() -> Result<()> {
         .connect(&url)
         .await
         .context("cannot connect to the database")?;
-    let command = match cli.command {
+    let mut conn = match cli.command {
         Command::Migrate => {
             outbox_core::migrate_with(&pool, &tables).await?;
             println!("migrations applied");
             return Ok(());
         }
         Command::Relay(args) => return relay::run(pool, tables, args).await,
-        other => other,
+        _ => pool.acquire().await?,
     };
-    let mut conn = pool.acquire().await?;
-    match command {
-        Command::Migrate | Command::Relay(_) => unreachable!("handled above"),
+    match cli.command {
+        // Migrate and Relay returned above and never reach this match.
+        Command::Migrate | Command::Relay(_) => {}
         Command::Quarantine { action } => quarantine::run(&mut conn, &tables, action).await?,
         Command::Status { json } => {
             let outbox = outbox_producer::stats(&mut conn, &tables).await?;

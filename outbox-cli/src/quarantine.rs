@@ -91,9 +91,7 @@ pub(crate) async fn run(
             side: Side::Relay,
             ids,
         } => {
-            let rows =
-                outbox_producer::quarantine::list_quarantined(conn, tables, i64::MAX).await?;
-            let rows: Vec<_> = rows.into_iter().filter(|r| ids.contains(&r.seq)).collect();
+            let rows = outbox_producer::quarantine::get_quarantined(conn, tables, &ids).await?;
             println!("{}", serde_json::to_string_pretty(&rows)?);
         }
         Action::Show {

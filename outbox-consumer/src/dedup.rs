@@ -6,7 +6,7 @@ use chrono::{TimeZone, Utc};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use moka::future::Cache;
-use outbox_core::{Envelope, EventId, wire};
+use outbox_core::{Envelope, wire};
 use rdkafka::Message;
 use rdkafka::message::{Headers, OwnedMessage};
 use serde::de::DeserializeOwned;
@@ -23,6 +23,25 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The future a handler returns: it may borrow the event and the transaction.
 pub type HandlerFuture<'c> = BoxFuture<'c, Result<(), HandlerError>>;
+
+/// A message handler: any `Send + Sync` function or closure that takes the event and the
+/// transaction its effect must be written on. Implemented for every such function; write
+/// closures inline where a handler is expected, or `|e, tx| Box::pin(my_async_fn(e, tx))`.
+pub trait Handler<P>:
+    for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<P, F> Handler<P> for F where
+    F: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
+        + Send
+        + Sync
+        + 'static
+{
+}
 
 /// What happened to one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,10 +156,7 @@ pub(crate) struct Inner<P, H> {
 impl<P, H> DedupConsumer<P, H>
 where
     P: DeserializeOwned + Send + Sync + 'static,
-    H: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-        + Send
-        + Sync
-        + 'static,
+    H: Handler<P>,
 {
     /// A consumer named `config.name` (required here) running `handler`.
     ///
@@ -334,7 +350,6 @@ where
             event_type,
             payload,
             headers,
-            ..
         } = wire::decode(message.key(), headers, payload)
             .map_err(|e| (e.kind(), e.to_string(), None))?;
         let uuid = Some(*id.as_uuid());
@@ -350,7 +365,7 @@ where
         let payload =
             serde_json::from_value(payload).map_err(|e| ("wrong_shape", e.to_string(), uuid))?;
         Ok(Event {
-            id: EventId::from_uuid(*id.as_uuid()),
+            id,
             key: aggregate_id,
             event_type,
             payload,

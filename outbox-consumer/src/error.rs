@@ -14,6 +14,10 @@ pub enum ConsumerError {
     /// The Kafka client could not be created or used.
     #[error("kafka: {0}")]
     Kafka(#[from] KafkaError),
+    /// A partition worker stopped abnormally (a panic outside the handler); the consumer
+    /// stops so that no later offset is stored past the message it left unhandled.
+    #[error("partition worker failed: {0}")]
+    Worker(String),
     /// The consumer configuration is not usable.
     #[error("invalid consumer configuration: {0}")]
     Config(String),

@@ -47,7 +47,7 @@ mod runner;
 mod sql;
 
 pub use config::{ConsumerConfig, HandlerFailurePolicy};
-pub use dedup::{ConsumerStats, DedupConsumer, HandlerError, HandlerFuture, Outcome};
+pub use dedup::{ConsumerStats, DedupConsumer, Handler, HandlerError, HandlerFuture, Outcome};
 pub use error::ConsumerError;
 pub use event::Event;
 pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};

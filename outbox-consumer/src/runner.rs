@@ -9,13 +9,13 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 use serde::de::DeserializeOwned;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::dedup::{HandlerFuture, Outcome};
-use crate::{ConsumerConfig, ConsumerError, DedupConsumer, Event};
+use crate::dedup::{Handler, Outcome};
+use crate::{ConsumerConfig, ConsumerError, DedupConsumer};
 
 /// Messages buffered per partition before the poll loop waits.
 const PARTITION_QUEUE: usize = 256;
@@ -66,10 +66,7 @@ pub async fn dedup_consume<P, H>(
 ) -> Result<(), ConsumerError>
 where
     P: DeserializeOwned + Send + Sync + 'static,
-    H: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-        + Send
-        + Sync
-        + 'static,
+    H: Handler<P>,
 {
     let mut kafka = kafka.clone();
     enforce_required(&mut kafka);
@@ -85,10 +82,7 @@ where
 impl<P, H> DedupConsumer<P, H>
 where
     P: DeserializeOwned + Send + Sync + 'static,
-    H: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-        + Send
-        + Sync
-        + 'static,
+    H: Handler<P>,
 {
     /// Receives one message from `consumer`, handles it and stores its offset. For tests and
     /// hand-driven loops; `consumer` must have `enable.auto.offset.store=false`.
@@ -177,7 +171,7 @@ where
             let _permit = permits
                 .acquire()
                 .await
-                .map_err(|_| ConsumerError::Config("semaphore closed".into()))?;
+                .map_err(|e| ConsumerError::Worker(e.to_string()))?;
             let mut failures = 0;
             let outcome = loop {
                 match self.process(&message, &shutdown).await {
@@ -254,5 +248,5 @@ fn store_offset(consumer: &StreamConsumer, message: &OwnedMessage) {
 fn flatten(
     joined: Result<Result<(), ConsumerError>, tokio::task::JoinError>,
 ) -> Result<(), ConsumerError> {
-    joined.map_err(|e| ConsumerError::Config(format!("partition worker failed: {e}")))?
+    joined.map_err(|e| ConsumerError::Worker(e.to_string()))?
 }

@@ -2,7 +2,6 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
-use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -193,8 +192,6 @@ pub struct Envelope<P = serde_json::Value> {
     pub payload: P,
     /// Every header of the message, the contract's included.
     pub headers: BTreeMap<String, String>,
-    /// When the event was decided, if the producer said so.
-    pub created_at: Option<DateTime<Utc>>,
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! | value | `payload`, JSON | `table.field.event.payload=payload` |
 //! | header `id` | event id, UUID text | `table.field.event.id=id` |
 //! | header `type` | event type | `table.fields.additional.placement=type:header:type` |
-//! | timestamp | `created_at` (milliseconds) | |
+//! | timestamp | `created_at` (milliseconds; the consumer's `Event::timestamp`) | |
 //!
 //! Application headers travel as further UTF-8 headers.
 
@@ -17,8 +17,6 @@
 pub const HEADER_ID: &str = "id";
 /// Header carrying the event type.
 pub const HEADER_TYPE: &str = "type";
-/// Header carrying the W3C trace context, when one was captured at enqueue.
-pub const HEADER_TRACEPARENT: &str = "traceparent";
 
 /// Prefix of the default topic, followed by the aggregate type.
 pub const DEFAULT_TOPIC_PREFIX: &str = "outbox.event.";
@@ -109,7 +107,6 @@ pub fn decode<'h>(
         event_type: decoded.get(HEADER_TYPE).cloned(),
         payload,
         headers: decoded,
-        created_at: None,
     })
 }
 

@@ -50,6 +50,23 @@ pub async fn list_quarantined(
         .await?)
 }
 
+/// Quarantined rows with the given sequence numbers.
+pub async fn get_quarantined(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    seqs: &[i64],
+) -> Result<Vec<QuarantinedRow>, ProducerError> {
+    let t = &tables.outbox;
+    let query = format!(
+        "SELECT seq, id, aggregatetype, aggregateid, type, topic, attempts, last_error, created_at \
+         FROM {t} WHERE status = 'quarantined' AND seq = ANY($1) ORDER BY seq"
+    );
+    Ok(sqlx::query_as(AssertSqlSafe(query))
+        .bind(seqs)
+        .fetch_all(conn)
+        .await?)
+}
+
 /// Makes quarantined rows pending again, with a fresh attempt count; the relay publishes them
 /// in their original order. Returns how many rows were requeued.
 pub async fn requeue(

@@ -1,0 +1,56 @@
+//! A deterministic stand-in for the language model.
+
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+/// A task the agent was given.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Task {
+    /// The task's id.
+    pub id: String,
+    /// Who to invoice.
+    pub customer: String,
+    /// How much, in cents.
+    pub cents: i64,
+}
+
+/// The tool call the model decides on: the intent the outbox stores and replays.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendInvoice {
+    /// The task the decision belongs to.
+    pub task: String,
+    /// The invoice number.
+    pub invoice: String,
+    /// Who to charge.
+    pub customer: String,
+    /// How much, in cents.
+    pub cents: i64,
+}
+
+/// The model. Every invocation is recorded outside any transaction, like the bill of a real
+/// model API, so a crash cannot hide a call.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pool: PgPool,
+}
+
+impl Model {
+    /// A model that records its calls in `model_calls`.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Decides what to do about `task`.
+    pub async fn decide(&self, task: &Task) -> sqlx::Result<SendInvoice> {
+        sqlx::query("INSERT INTO model_calls (task) VALUES ($1)")
+            .bind(&task.id)
+            .execute(&self.pool)
+            .await?;
+        Ok(SendInvoice {
+            task: task.id.clone(),
+            invoice: format!("INV-{}", task.id),
+            customer: task.customer.clone(),
+            cents: task.cents,
+        })
+    }
+}

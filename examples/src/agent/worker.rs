@@ -1,0 +1,165 @@
+//! One process of the agent service: the agent loop, the relay and the billing consumer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use outbox_consumer::{ConsumerConfig, ConsumerError, DedupConsumer, Event, consumer_config};
+use outbox_producer::{NewEvent, Outbox, ProducerError, Relay, RelayConfig, producer_config};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio_util::sync::CancellationToken;
+
+use super::billing::Billing;
+use super::crash::{CrashPoint, CrashSwitch, die};
+use super::model::{Model, SendInvoice, Task};
+
+/// Where the worker finds its services, and where it may crash.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Kafka bootstrap servers.
+    pub brokers: String,
+    /// The topic decisions are published to.
+    pub topic: String,
+    /// The billing consumer's group (and dedup name).
+    pub group: String,
+    /// How long to wait for every task to be charged.
+    pub deadline: Duration,
+}
+
+/// Runs the agent until every task is charged and the outbox is drained, dying at `crash`.
+pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>) -> Result<()> {
+    let crash = Arc::new(CrashSwitch::new(crash));
+    decide_pending_tasks(&pool, &config.topic, &crash).await?;
+
+    let relay = Relay::new(
+        pool.clone(),
+        &producer_config(&config.brokers),
+        RelayConfig::default(),
+    )?;
+    if crash.is_armed(CrashPoint::AfterPublish) {
+        relay.crash_after_next_ack();
+        match relay.run_once().await {
+            Err(ProducerError::InjectedFault(_)) => die(CrashPoint::AfterPublish),
+            other => bail!("the relay was meant to crash after publishing: {other:?}"),
+        }
+    }
+    let consumer = billing_consumer(pool.clone(), &config.group, &crash)?;
+    if crash.is_armed(CrashPoint::AfterHandlerCommit) {
+        consumer.crash_after_next_commit();
+    }
+    let stream: StreamConsumer = consumer_config(&config.brokers, &config.group)
+        // A crashed worker's membership must expire quickly for the restart to take over.
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "1000")
+        .create()?;
+    stream.subscribe(&[config.topic.as_str()])?;
+
+    let shutdown = CancellationToken::new();
+    let mut relaying = tokio::spawn({
+        let (relay, shutdown) = (relay.clone(), shutdown.clone());
+        async move { relay.run(shutdown).await }
+    });
+    let mut consuming = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { consumer.run(stream, shutdown).await }
+    });
+    let done = tokio::select! {
+        done = all_charged(&pool, config.deadline) => done,
+        ended = &mut consuming => match ended? {
+            Err(ConsumerError::InjectedFault(_)) => die(CrashPoint::AfterHandlerCommit),
+            other => bail!("the billing consumer stopped early: {other:?}"),
+        },
+        ended = &mut relaying => bail!("the relay stopped early: {:?}", ended?),
+    };
+    shutdown.cancel();
+    relaying.await??;
+    consuming.await??;
+    done
+}
+
+/// The agent loop: for each new task, ask the model, then commit the task's new state and
+/// the decided tool call together.
+async fn decide_pending_tasks(pool: &PgPool, topic: &str, crash: &CrashSwitch) -> Result<()> {
+    let model = Model::new(pool.clone());
+    let outbox = Outbox::default();
+    let tasks: Vec<Task> = sqlx::query_as(
+        "SELECT id, customer, cents FROM agent_tasks WHERE state = 'new' ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await?;
+    for task in tasks {
+        let decision = model.decide(&task).await?;
+        let event = NewEvent::new("invoice", &decision.invoice, "SendInvoice", &decision)?
+            .with_topic(topic)?;
+        let mut tx = pool.begin().await?;
+        sqlx::query("UPDATE agent_tasks SET state = 'decided', event_id = $2 WHERE id = $1")
+            .bind(&task.id)
+            .bind(event.id().as_uuid())
+            .execute(&mut *tx)
+            .await?;
+        outbox.enqueue(&mut tx, &event).await?;
+        crash.reached(CrashPoint::BeforeCommit);
+        tx.commit().await?;
+        crash.reached(CrashPoint::AfterCommit);
+    }
+    Ok(())
+}
+
+/// The downstream consumer that performs the tool call, with the event id as the payment
+/// API's idempotency key, and records the outcome in the agent's state.
+fn billing_consumer(
+    pool: PgPool,
+    group: &str,
+    crash: &Arc<CrashSwitch>,
+) -> Result<DedupConsumer<SendInvoice, impl outbox_consumer::Handler<SendInvoice>>> {
+    let billing = Billing::new(pool.clone());
+    let crash = Arc::clone(crash);
+    DedupConsumer::new(pool, ConsumerConfig::new(group), move |event, tx| {
+        Box::pin(charge(event, tx, billing.clone(), Arc::clone(&crash)))
+    })
+    .context("creating the billing consumer")
+}
+
+/// The billing tool call: charge, then record the charge in the agent's state on the
+/// handler's transaction (the one the dedup row commits with).
+async fn charge(
+    event: &Event<SendInvoice>,
+    tx: &mut Transaction<'static, Postgres>,
+    billing: Billing,
+    crash: Arc<CrashSwitch>,
+) -> Result<(), outbox_consumer::HandlerError> {
+    let charge_id = billing
+        .charge(&event.idempotency_key(), &event.payload)
+        .await?;
+    crash.reached(CrashPoint::InHandler);
+    sqlx::query("UPDATE agent_tasks SET state = 'charged', charge_id = $2 WHERE id = $1")
+        .bind(&event.payload.task)
+        .bind(charge_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Waits until every task is charged and nothing is left pending in the outbox.
+async fn all_charged(pool: &PgPool, deadline: Duration) -> Result<()> {
+    let give_up = tokio::time::Instant::now() + deadline;
+    loop {
+        let open: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM agent_tasks WHERE state <> 'charged'")
+                .fetch_one(pool)
+                .await?;
+        let stats =
+            outbox_producer::stats(&mut *pool.acquire().await?, &Default::default()).await?;
+        if open == 0 && stats.pending == 0 {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > give_up {
+            bail!(
+                "{open} tasks still not charged, {} events pending after {deadline:?}",
+                stats.pending
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

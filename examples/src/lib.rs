@@ -1,0 +1,3 @@
+//! Shared code of the runnable examples. The `agent` binary is the README's demo.
+
+pub mod agent;

@@ -1,0 +1,316 @@
+//! The end-of-run checker. It trusts nothing the processes said about themselves: it reads
+//! the database (outbox, state, attempts, effects, quarantine) and the whole topic, read back
+//! with a plain consumer, and counts every violation of the framework's promises.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_core::TableNames;
+use sqlx::{AssertSqlSafe, PgPool};
+use uuid::Uuid;
+
+use crate::kafka::read_all;
+use crate::summary::Summary;
+
+/// What to check.
+#[derive(Debug)]
+pub(crate) struct Target<'a> {
+    pub(crate) pool: &'a PgPool,
+    pub(crate) tables: &'a TableNames,
+    pub(crate) brokers: &'a str,
+    pub(crate) topic: &'a str,
+    pub(crate) partitions: i32,
+    pub(crate) groups: &'a [String],
+}
+
+#[derive(Debug, sqlx::FromRow)]
+struct OutboxRow {
+    seq: i64,
+    id: Uuid,
+    aggregateid: String,
+    status: String,
+    version: Option<i64>,
+}
+
+#[derive(Debug, sqlx::FromRow)]
+struct EffectRow {
+    consumer: String,
+    event_id: Uuid,
+    key: String,
+    version: i64,
+}
+
+#[derive(Debug, sqlx::FromRow)]
+struct PoisonRow {
+    partition: i32,
+    kafka_offset: i64,
+    expected_reason: String,
+}
+
+#[derive(Debug, sqlx::FromRow)]
+struct QuarantineRow {
+    consumer: String,
+    partition: i32,
+    offset: i64,
+    reason: String,
+}
+
+/// Logs the first few examples of a violation.
+fn report<T: std::fmt::Debug>(what: &str, examples: &[T]) {
+    if !examples.is_empty() {
+        let shown: Vec<_> = examples.iter().take(5).collect();
+        tracing::error!(count = examples.len(), examples = ?shown, "violation: {what}");
+    }
+}
+
+fn n(len: usize) -> u64 {
+    u64::try_from(len).unwrap_or(u64::MAX)
+}
+
+/// Runs every check; the returned summary has `runs = 1` and no fault counts.
+pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
+    let mut s = Summary {
+        runs: 1,
+        ..Summary::default()
+    };
+    let outbox_table = &t.tables.outbox;
+    let outbox: Vec<OutboxRow> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT seq, id, aggregateid, status, (payload->>'version')::bigint AS version \
+         FROM {outbox_table} ORDER BY seq"
+    )))
+    .fetch_all(t.pool)
+    .await?;
+    let committed: HashMap<Uuid, &OutboxRow> = outbox.iter().map(|r| (r.id, r)).collect();
+    s.events_committed = n(committed.len());
+    s.pending = n(outbox.iter().filter(|r| r.status == "pending").count());
+    s.outbox_quarantined = n(outbox.iter().filter(|r| r.status == "quarantined").count());
+
+    // Atomicity: state rows and outbox rows agree, one for one.
+    let attempts: HashSet<Uuid> =
+        sqlx::query_scalar("SELECT DISTINCT event_id FROM chaos_attempts")
+            .fetch_all(t.pool)
+            .await?
+            .into_iter()
+            .collect();
+    let never_committed: HashSet<Uuid> = attempts
+        .iter()
+        .filter(|id| !committed.contains_key(id))
+        .copied()
+        .collect();
+    s.rolled_back = n(never_committed.len());
+    let state_log: Vec<(Uuid, String, i64)> =
+        sqlx::query_as("SELECT event_id, key, version FROM chaos_state_log")
+            .fetch_all(t.pool)
+            .await?;
+    let state: Vec<(String, i64)> = sqlx::query_as("SELECT key, version FROM chaos_state")
+        .fetch_all(t.pool)
+        .await?;
+    let mut atomicity = Vec::new();
+    let mut log_by_id: HashMap<Uuid, Vec<(&str, i64)>> = HashMap::new();
+    let mut versions_by_key: HashMap<&str, Vec<i64>> = HashMap::new();
+    for (id, key, version) in &state_log {
+        log_by_id.entry(*id).or_default().push((key, *version));
+        versions_by_key.entry(key).or_default().push(*version);
+        if !committed.contains_key(id) {
+            atomicity.push(format!("state row without outbox row: {id}"));
+        }
+    }
+    for row in &outbox {
+        match log_by_id.get(&row.id).map(Vec::as_slice) {
+            Some([(key, version)]) if *key == row.aggregateid && Some(*version) == row.version => {}
+            other => atomicity.push(format!("outbox row {} has state rows {other:?}", row.id)),
+        }
+        if !attempts.contains(&row.id) {
+            atomicity.push(format!("outbox row {} was never attempted", row.id));
+        }
+    }
+    for (key, version) in &state {
+        let mut versions = versions_by_key.remove(key.as_str()).unwrap_or_default();
+        versions.sort_unstable();
+        if versions != (1..=*version).collect::<Vec<_>>() {
+            atomicity.push(format!(
+                "key {key}: state version {version}, logged {} versions",
+                versions.len()
+            ));
+        }
+    }
+    report("state and outbox disagree", &atomicity);
+    s.atomicity_violations = n(atomicity.len());
+
+    // Per-key outbox order is commit order: versions rise with seq.
+    let mut order = Vec::new();
+    let mut last_version: HashMap<&str, i64> = HashMap::new();
+    for row in &outbox {
+        let v = row.version.unwrap_or(i64::MIN);
+        let last = last_version.insert(&row.aggregateid, v);
+        if last.is_some_and(|l| l >= v) {
+            order.push(format!(
+                "outbox key {} seq {} version {v} after {last:?}",
+                row.aggregateid, row.seq
+            ));
+        }
+    }
+
+    // The topic, read back whole.
+    let poison: Vec<PoisonRow> =
+        sqlx::query_as("SELECT partition, kafka_offset, expected_reason FROM chaos_poison")
+            .fetch_all(t.pool)
+            .await?;
+    let poison_at: HashSet<(i32, i64)> = poison
+        .iter()
+        .map(|p| (p.partition, p.kafka_offset))
+        .collect();
+    let records = read_all(t.brokers, t.topic, t.partitions, Duration::from_secs(120)).await?;
+    let mut seen: HashMap<Uuid, u64> = HashMap::new();
+    let mut phantoms = Vec::new();
+    let mut last_seq: HashMap<(i32, String), i64> = HashMap::new();
+    // Highest offset of a good record per partition: the partition kept flowing past poison.
+    let mut last_good: HashMap<i32, i64> = HashMap::new();
+    for r in &records {
+        if poison_at.contains(&(r.partition, r.offset)) {
+            continue;
+        }
+        let id = r.headers.get("id").and_then(|v| v.parse::<Uuid>().ok());
+        let Some(row) = id.and_then(|id| committed.get(&id)) else {
+            let rolled_back = id.is_some_and(|id| never_committed.contains(&id));
+            phantoms.push(format!(
+                "record at {}:{} id {id:?} (rolled back: {rolled_back})",
+                r.partition, r.offset
+            ));
+            continue;
+        };
+        let count = seen.entry(row.id).or_default();
+        *count += 1;
+        last_good.insert(r.partition, r.offset);
+        if *count == 1 {
+            let last = last_seq.insert((r.partition, r.key.clone()), row.seq);
+            if last.is_some_and(|l| l >= row.seq) {
+                order.push(format!(
+                    "topic key {} seq {} after seq {last:?}",
+                    r.key, row.seq
+                ));
+            }
+        }
+    }
+    s.published = n(seen.len());
+    s.duplicates_delivered = seen.values().map(|c| c - 1).sum();
+    let unpublished: Vec<Uuid> = outbox
+        .iter()
+        .filter(|r| !seen.contains_key(&r.id))
+        .map(|r| r.id)
+        .collect();
+    report("committed but never published", &unpublished);
+    let mut lost = n(unpublished.len());
+
+    // Effects: once per group, in per-key commit order, none for anything uncommitted.
+    let effects: Vec<EffectRow> = sqlx::query_as(
+        "SELECT consumer, event_id, key, version FROM chaos_effects ORDER BY effect_order",
+    )
+    .fetch_all(t.pool)
+    .await?;
+    s.effects = n(effects.len());
+    let mut per_group: BTreeMap<&str, HashMap<Uuid, u64>> = BTreeMap::new();
+    let mut last_effect: HashMap<(&str, &str), i64> = HashMap::new();
+    for e in &effects {
+        *per_group
+            .entry(&e.consumer)
+            .or_default()
+            .entry(e.event_id)
+            .or_default() += 1;
+        let Some(row) = committed.get(&e.event_id) else {
+            phantoms.push(format!(
+                "effect of uncommitted {} in {}",
+                e.event_id, e.consumer
+            ));
+            continue;
+        };
+        if row.version != Some(e.version) || row.aggregateid != e.key {
+            atomicity.push(format!("effect of {} carries other data", e.event_id));
+            s.atomicity_violations += 1;
+        }
+        if per_group[e.consumer.as_str()][&e.event_id] == 1 {
+            let last = last_effect.insert((&e.consumer, &e.key), row.seq);
+            if last.is_some_and(|l| l >= row.seq) {
+                order.push(format!(
+                    "{}: key {} effect of seq {} after seq {last:?}",
+                    e.consumer, e.key, row.seq
+                ));
+            }
+        }
+    }
+    let mut doubles = Vec::new();
+    for group in t.groups {
+        let counts = per_group.get(group.as_str());
+        let missing: Vec<Uuid> = outbox
+            .iter()
+            .filter(|r| counts.is_none_or(|c| !c.contains_key(&r.id)))
+            .map(|r| r.id)
+            .collect();
+        report(&format!("no effect in {group}"), &missing);
+        lost += n(missing.len());
+        for (id, c) in counts.into_iter().flatten() {
+            if *c > 1 {
+                doubles.push((group.clone(), *id, *c));
+            }
+        }
+    }
+    report("double effects", &doubles);
+    s.double_effects = doubles.iter().map(|(_, _, c)| c - 1).sum();
+    s.lost = lost;
+    report("order", &order);
+    s.order_violations = n(order.len());
+    report("uncommitted ids visible", &phantoms);
+    s.phantoms = n(phantoms.len());
+
+    // Malformed records: quarantined by every group with the expected reason, and the
+    // partition went on past them.
+    let quarantine_table = &t.tables.consumer_quarantine;
+    let quarantined: Vec<QuarantineRow> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT consumer, partition, \"offset\", reason FROM {quarantine_table} WHERE topic = $1"
+    )))
+    .bind(t.topic)
+    .fetch_all(t.pool)
+    .await?;
+    let by_position: HashMap<(&str, i32, i64), &str> = quarantined
+        .iter()
+        .map(|q| {
+            (
+                (q.consumer.as_str(), q.partition, q.offset),
+                q.reason.as_str(),
+            )
+        })
+        .collect();
+    let mut poison_failures = Vec::new();
+    for p in &poison {
+        for group in t.groups {
+            s.poison_injected += 1;
+            match by_position.get(&(group.as_str(), p.partition, p.kafka_offset)) {
+                Some(reason) if *reason == p.expected_reason => s.poison_quarantined += 1,
+                other => poison_failures.push(format!(
+                    "{group}: {}:{} expected {}, got {other:?}",
+                    p.partition, p.kafka_offset, p.expected_reason
+                )),
+            }
+        }
+        if last_good
+            .get(&p.partition)
+            .is_none_or(|o| *o < p.kafka_offset)
+        {
+            poison_failures.push(format!(
+                "no good record after poison at {}:{}",
+                p.partition, p.kafka_offset
+            ));
+        }
+    }
+    report("malformed records", &poison_failures);
+    s.poison_failures = n(poison_failures.len());
+    let unexpected: Vec<String> = quarantined
+        .iter()
+        .filter(|q| !poison_at.contains(&(q.partition, q.offset)))
+        .map(|q| format!("{}: {}:{} {}", q.consumer, q.partition, q.offset, q.reason))
+        .collect();
+    report("good records quarantined", &unexpected);
+    s.unexpected_quarantines = n(unexpected.len());
+    Ok(s)
+}

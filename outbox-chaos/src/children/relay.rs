@@ -1,0 +1,70 @@
+//! One relay process. Normally `Relay::run` until SIGTERM; in crash mode it drives
+//! `run_once` itself and arms the library's crash-after-ack fault after a number of batches,
+//! exiting the moment it fires (Kafka acknowledged the batch, the rows are still pending).
+
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_producer::{ProducerError, Relay, RelayConfig, producer_config};
+
+use super::{Common, EXIT_RELAY_AFTER_ACK, crash};
+
+const POLL: Duration = Duration::from_millis(250);
+
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct Args {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// Rows per batch.
+    #[arg(long, default_value_t = 50)]
+    pub(crate) batch_size: u32,
+    /// Crash after Kafka acknowledges the batch that follows this many non-empty batches.
+    #[arg(long)]
+    pub(crate) crash_after_ack_batches: Option<u32>,
+}
+
+pub(crate) async fn run(args: Args) -> Result<()> {
+    let pool = args.common.pool(3)?;
+    let mut kafka = producer_config(&args.common.brokers);
+    kafka.set("client.id", &args.common.label);
+    let config = RelayConfig::default()
+        .tables(args.common.tables()?)
+        .batch_size(args.batch_size)
+        .poll_interval(POLL)
+        // Broker restarts are transient: no committed row may be quarantined for them.
+        .max_attempts(1_000_000)
+        .backoff(Duration::from_millis(50), Duration::from_secs(2))
+        .shutdown_timeout(Duration::from_secs(5));
+    let relay = Relay::new(pool, &kafka, config)?;
+    let shutdown = super::shutdown_token();
+    let Some(arm_after) = args.crash_after_ack_batches else {
+        relay.run(shutdown).await?;
+        return Ok(());
+    };
+    let mut batches = 0_u32;
+    while !shutdown.is_cancelled() {
+        if batches == arm_after {
+            relay.crash_after_next_ack();
+        }
+        let idle = match relay.run_once().await {
+            Ok(report) => {
+                if report.claimed > 0 {
+                    batches += 1;
+                }
+                report.claimed < args.batch_size as usize
+            }
+            Err(ProducerError::InjectedFault(what)) => crash(EXIT_RELAY_AFTER_ACK, what),
+            Err(error) => {
+                tracing::warn!(%error, "relay batch failed");
+                true
+            }
+        };
+        if idle {
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(POLL) => {}
+            }
+        }
+    }
+    Ok(())
+}

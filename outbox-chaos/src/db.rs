@@ -1,0 +1,127 @@
+//! The run's own database: created on the shared server, dropped after a passing run.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use outbox_core::TableNames;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
+
+/// `application_name` of the orchestrator's own connections; connection kills spare them.
+pub(crate) const ORCHESTRATOR_APP: &str = "chaos-orchestrator";
+
+/// The harness's own tables. `chaos_effects` deliberately has no unique constraint on
+/// (consumer, event_id): a double effect must be visible, not prevented.
+const SCHEMA: &str = "
+CREATE TABLE chaos_attempts (
+    event_id     UUID        NOT NULL,
+    key          TEXT        NOT NULL,
+    attempted_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE chaos_state (
+    key     TEXT   PRIMARY KEY,
+    version BIGINT NOT NULL DEFAULT 0
+);
+CREATE TABLE chaos_state_log (
+    event_id UUID   NOT NULL,
+    key      TEXT   NOT NULL,
+    version  BIGINT NOT NULL
+);
+CREATE TABLE chaos_effects (
+    effect_order BIGSERIAL PRIMARY KEY,
+    consumer     TEXT        NOT NULL,
+    member       TEXT        NOT NULL,
+    event_id     UUID        NOT NULL,
+    key          TEXT        NOT NULL,
+    version      BIGINT      NOT NULL,
+    partition    INT         NOT NULL,
+    kafka_offset BIGINT      NOT NULL,
+    at           TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE chaos_poison (
+    event_id        UUID,
+    partition       INT    NOT NULL,
+    kafka_offset    BIGINT NOT NULL,
+    expected_reason TEXT   NOT NULL
+);
+";
+
+/// A database made for one run.
+#[derive(Debug)]
+pub(crate) struct ChaosDb {
+    /// Its name.
+    pub(crate) name: String,
+    /// The server URL the children get (they connect to `name` on it).
+    pub(crate) server_url: String,
+    /// The orchestrator's pool on it.
+    pub(crate) pool: PgPool,
+    admin: PgPool,
+}
+
+impl ChaosDb {
+    /// Creates `outbox_chaos_<random>` on the server at `server_url`, migrates the framework's
+    /// tables under `tables`, creates the harness's tables and `keys` state rows.
+    pub(crate) async fn create(
+        server_url: &str,
+        tables: &TableNames,
+        keys: &[String],
+    ) -> Result<Self> {
+        let base = PgConnectOptions::from_str(server_url).context("parsing the database URL")?;
+        let admin = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(base.clone().application_name(ORCHESTRATOR_APP))
+            .await
+            .context("connecting to Postgres (is it running? scripts/services.sh starts it)")?;
+        let name = format!(
+            "outbox_chaos_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin)
+            .await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(base.database(&name).application_name(ORCHESTRATOR_APP))
+            .await?;
+        outbox_core::migrate_with(&pool, tables).await?;
+        sqlx::raw_sql(SCHEMA).execute(&pool).await?;
+        sqlx::query("INSERT INTO chaos_state (key) SELECT * FROM UNNEST($1::text[])")
+            .bind(keys)
+            .execute(&pool)
+            .await?;
+        Ok(Self {
+            name,
+            server_url: server_url.to_owned(),
+            pool,
+            admin,
+        })
+    }
+
+    /// Terminates every connection to the run's database but the orchestrator's own, the way
+    /// an operator or a failover would. Returns how many were terminated.
+    pub(crate) async fn terminate_connections(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name <> $2",
+        )
+        .bind(&self.name)
+        .bind(ORCHESTRATOR_APP)
+        .fetch_one(&self.admin)
+        .await?)
+    }
+
+    /// Drops the database (after a passing run).
+    pub(crate) async fn drop_database(self) -> Result<()> {
+        self.pool.close().await;
+        sqlx::query(AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        )))
+        .execute(&self.admin)
+        .await?;
+        self.admin.close().await;
+        Ok(())
+    }
+}

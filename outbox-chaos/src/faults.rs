@@ -1,0 +1,194 @@
+//! The fault loop: seeded random faults at random intervals, bounded in count and time.
+//! Injected crashes inside the children (relay after ack, consumer after commit, producer
+//! before/after commit) fire on their own; this loop adds the outside ones.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::broker::Broker;
+use crate::db::ChaosDb;
+use crate::fleet::{Fleet, Role, lock};
+use crate::profile::Profile;
+use crate::summary::Kind;
+
+/// What the loop works on.
+#[derive(Debug)]
+pub(crate) struct Chaos<'a> {
+    pub(crate) fleet: &'a Mutex<Fleet>,
+    pub(crate) broker: &'a mut Broker,
+    pub(crate) db: &'a ChaosDb,
+    pub(crate) profile: &'a Profile,
+    pub(crate) topic: &'a str,
+    pub(crate) group_a: &'a str,
+    pub(crate) rng: StdRng,
+    extras: u32,
+}
+
+/// Faults the loop picks from, with weights.
+const MENU: [(Kind, u32); 6] = [
+    (Kind::RelayKill, 6),
+    (Kind::ConsumerKill, 6),
+    (Kind::ProducerKill, 2),
+    (Kind::PgTerminate, 3),
+    (Kind::BrokerRestart, 2),
+    (Kind::Rebalance, 3),
+];
+
+impl<'a> Chaos<'a> {
+    pub(crate) fn new(
+        fleet: &'a Mutex<Fleet>,
+        broker: &'a mut Broker,
+        db: &'a ChaosDb,
+        profile: &'a Profile,
+        topic: &'a str,
+        group_a: &'a str,
+        seed: u64,
+    ) -> Self {
+        Self {
+            fleet,
+            broker,
+            db,
+            profile,
+            topic,
+            group_a,
+            rng: StdRng::seed_from_u64(seed),
+            extras: 0,
+        }
+    }
+
+    /// Injects faults for `profile.fault_phase` or `profile.max_faults`, whichever ends
+    /// first, with malformed records injected in rounds spread over the phase.
+    pub(crate) async fn run(&mut self) -> Result<()> {
+        let started = Instant::now();
+        let end = started + self.profile.fault_phase;
+        let rounds = self.profile.poison_rounds;
+        let poison_due: Vec<Instant> = (1..=rounds)
+            .map(|r| {
+                started
+                    + self
+                        .profile
+                        .fault_phase
+                        .mul_f64(f64::from(r) / f64::from(rounds + 1))
+            })
+            .collect();
+        let mut poison_done = 0_u32;
+        let mut faults = 0_u32;
+        while Instant::now() < end && faults < self.profile.max_faults {
+            let (lo, hi) = self.profile.fault_gap_ms;
+            let gap = Duration::from_millis(self.rng.random_range(lo..=hi));
+            tokio::time::sleep(gap.min(end.saturating_duration_since(Instant::now()))).await;
+            lock(self.fleet).reap()?;
+            if poison_done < rounds && Instant::now() >= poison_due[poison_done as usize] {
+                let injected = crate::poison::inject(
+                    &self.db.pool,
+                    &self.broker.address(),
+                    self.topic,
+                    self.profile.partitions,
+                    poison_done,
+                )
+                .await?;
+                tracing::info!(
+                    round = poison_done,
+                    injected,
+                    "fault: malformed records injected"
+                );
+                poison_done += 1;
+                continue;
+            }
+            let kind = MENU
+                .choose_weighted(&mut self.rng, |(_, w)| *w)
+                .map(|(k, _)| *k)
+                .unwrap_or(Kind::RelayKill);
+            self.inject(kind).await?;
+            faults += 1;
+        }
+        // Rounds the loop did not reach (a short phase): inject them now, so every run
+        // checks every kind of malformed record.
+        while poison_done < rounds {
+            crate::poison::inject(
+                &self.db.pool,
+                &self.broker.address(),
+                self.topic,
+                self.profile.partitions,
+                poison_done,
+            )
+            .await?;
+            poison_done += 1;
+        }
+        tracing::info!(faults, elapsed = ?started.elapsed(), "fault phase over");
+        Ok(())
+    }
+
+    fn pick(&mut self, filter: impl Fn(&Role) -> bool) -> Option<usize> {
+        lock(self.fleet).live(filter).choose(&mut self.rng).copied()
+    }
+
+    async fn inject(&mut self, kind: Kind) -> Result<()> {
+        match kind {
+            Kind::RelayKill => {
+                if let Some(i) = self.pick(|r| matches!(r, Role::Relay { .. })) {
+                    lock(self.fleet).kill(i)?;
+                }
+            }
+            Kind::ConsumerKill => {
+                if let Some(i) = self.pick(|r| matches!(r, Role::Consumer { .. })) {
+                    lock(self.fleet).kill(i)?;
+                }
+            }
+            Kind::ProducerKill => {
+                if let Some(i) = self.pick(|r| *r == Role::Producer) {
+                    lock(self.fleet).kill(i)?;
+                }
+            }
+            Kind::PgTerminate => {
+                let terminated = self.db.terminate_connections().await?;
+                tracing::info!(terminated, "fault: pg_terminate_backend");
+                lock(self.fleet).counts.add(kind, 1);
+            }
+            Kind::BrokerRestart => {
+                let downtime = Duration::from_millis(self.rng.random_range(300..3000));
+                tracing::info!(?downtime, "fault: broker stop");
+                self.broker.restart(downtime).await?;
+                tracing::info!("fault: broker started again");
+                lock(self.fleet).counts.add(kind, 1);
+            }
+            Kind::Rebalance => self.rebalance().await?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A member joins the first group and leaves again a little later, or an existing member
+    /// leaves and rejoins: partitions move while messages are in flight.
+    async fn rebalance(&mut self) -> Result<()> {
+        let group = self.group_a.to_owned();
+        let in_group = move |r: &Role| matches!(r, Role::Consumer { group: g } if *g == group);
+        if self.rng.random_bool(0.5) {
+            self.extras += 1;
+            let label = format!("consumer-a-extra{}", self.extras);
+            let role = Role::Consumer {
+                group: self.group_a.to_owned(),
+            };
+            tracing::info!(%label, "fault: rebalance, member joins");
+            let index = lock(self.fleet).add(&label, role, false)?;
+            let stay = Duration::from_millis(self.rng.random_range(1000..4000));
+            tokio::time::sleep(stay).await;
+            tracing::info!(%label, "fault: rebalance, member leaves");
+            lock(self.fleet).stop(index, false);
+        } else if let Some(i) = self.pick(in_group) {
+            let mut fleet = lock(self.fleet);
+            tracing::info!(
+                label = fleet.label(i),
+                "fault: rebalance, member leaves and rejoins"
+            );
+            fleet.stop(i, true);
+        }
+        lock(self.fleet).counts.add(Kind::Rebalance, 1);
+        Ok(())
+    }
+}

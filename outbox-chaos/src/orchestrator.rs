@@ -1,0 +1,271 @@
+//! `outbox-chaos run`: one or more runs, each with its own database, broker and topic;
+//! the fault phase, the drain, the check, the summary.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use outbox_core::TableNames;
+use sqlx::{AssertSqlSafe, PgPool};
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::Broker;
+use crate::checker::{self, Target};
+use crate::children::producer::key_name;
+use crate::db::ChaosDb;
+use crate::faults::Chaos;
+use crate::fleet::{Fleet, Launch, Role, lock, wait_fleet};
+use crate::profile::{Profile, ProfileName};
+use crate::summary::Summary;
+
+/// The two consumer groups: several members in the first, one in the second.
+const GROUP_A: &str = "chaos-a";
+const GROUP_B: &str = "chaos-b";
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct RunArgs {
+    /// `ci` (≈2–3 min, the test suite's) or `long` (≈15–20 min).
+    #[arg(long, value_enum, default_value = "ci")]
+    profile: ProfileName,
+    /// Seed of every random choice (fault kinds and timing, workload); random if absent.
+    /// Process scheduling still varies between runs with one seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Number of runs (default: the profile's).
+    #[arg(long)]
+    runs: Option<u64>,
+    /// Postgres server; each run creates (and after passing, drops) its own database on it.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
+        hide_env_values = true
+    )]
+    database_url: String,
+    /// Outbox table name; must be a valid identifier (checked through `TableNames`).
+    #[arg(long, default_value = "outbox_events")]
+    outbox_table: String,
+    /// Keep the database and the run directory (logs) even when the run passes.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// Runs the harness and prints the summary line; `Ok(false)` when an invariant failed.
+pub(crate) async fn run(args: RunArgs) -> Result<bool> {
+    let tables = TableNames::default()
+        .with_outbox(&args.outbox_table)
+        .context("invalid --outbox-table")?;
+    let profile = Profile::named(args.profile);
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let runs = args.runs.unwrap_or(profile.runs);
+    let started = Instant::now();
+    let mut total = Summary::default();
+    for i in 0..runs {
+        let run_seed = seed.wrapping_add(i);
+        let summary = run_one(&args, &profile, &tables, run_seed)
+            .await
+            .with_context(|| format!("run {} (seed {run_seed})", i + 1))?;
+        tracing::info!(
+            run = i + 1,
+            "{}",
+            summary.line(profile.name, run_seed, started.elapsed().as_secs())
+        );
+        total.merge(&summary);
+    }
+    println!(
+        "{}",
+        total.line(profile.name, seed, started.elapsed().as_secs())
+    );
+    Ok(total.passed())
+}
+
+async fn run_one(
+    args: &RunArgs,
+    profile: &Profile,
+    tables: &TableNames,
+    seed: u64,
+) -> Result<Summary> {
+    let run_id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
+    let dir = std::env::temp_dir().join(format!("outbox-chaos-{run_id}"));
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let keys: Vec<String> = (0..profile.keys).map(key_name).collect();
+    let db = ChaosDb::create(&args.database_url, tables, &keys).await?;
+    let mut broker = Broker::start(&dir).await?;
+    let brokers = broker.address();
+    let topic = format!("chaos.{run_id}");
+    crate::kafka::create_topic(&brokers, &topic, profile.partitions).await?;
+    tracing::info!(database = %db.name, %brokers, %topic, dir = %dir.display(), seed, "run starting");
+
+    let launch = Launch {
+        exe: std::env::current_exe()?,
+        logs,
+        database_url: args.database_url.clone(),
+        database: db.name.clone(),
+        brokers: brokers.clone(),
+        topic: topic.clone(),
+        outbox_table: tables.outbox.as_str().to_owned(),
+        keys: profile.keys,
+        producer_pause_ms: profile.producer_pause_ms,
+    };
+    let fleet = Arc::new(Mutex::new(Fleet::new(launch, seed)));
+    let producer = start_fleet(&fleet, profile)?;
+    let supervising = CancellationToken::new();
+    let supervisor = tokio::spawn(supervise(Arc::clone(&fleet), supervising.clone()));
+
+    Chaos::new(&fleet, &mut broker, &db, profile, &topic, GROUP_A, seed)
+        .run()
+        .await?;
+
+    // Drain: no more faults; the producer stops; everything committed must come through.
+    {
+        let mut f = lock(&fleet);
+        f.faults_on = false;
+        f.stop(producer, false);
+    }
+    wait_fleet(&fleet, Duration::from_secs(30), |f| f.exited(producer)).await?;
+    let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
+    let drained = wait_drained(&db.pool, tables, &topic, &groups, profile.drain_timeout).await?;
+    supervising.cancel();
+    supervisor.await??;
+    lock(&fleet).stop_all();
+    if !wait_fleet(&fleet, Duration::from_secs(30), Fleet::all_exited).await? {
+        lock(&fleet).kill_remaining();
+    }
+
+    let mut summary = checker::check(&Target {
+        pool: &db.pool,
+        tables,
+        brokers: &brokers,
+        topic: &topic,
+        partitions: profile.partitions,
+        groups: &groups,
+    })
+    .await?;
+    {
+        let f = lock(&fleet);
+        summary.counts = f.counts.clone();
+        summary.unexpected_exits = u64::try_from(f.unexpected.len())?;
+    }
+    summary.drain_timeouts = u64::from(!drained);
+    broker.stop().await?;
+    finish(summary.passed() && !args.keep, db, &dir).await?;
+    Ok(summary)
+}
+
+/// Starts the producer, the relays (one in crash-after-ack mode) and the consumers; returns
+/// the producer's index.
+fn start_fleet(fleet: &Mutex<Fleet>, profile: &Profile) -> Result<usize> {
+    let mut f = lock(fleet);
+    let producer = f.add("producer", Role::Producer, true)?;
+    f.add("relay-crashy", Role::Relay { crash_slot: true }, true)?;
+    for i in 1..=profile.relays {
+        f.add(
+            &format!("relay-{i}"),
+            Role::Relay { crash_slot: false },
+            true,
+        )?;
+    }
+    for i in 1..=profile.group_a_members {
+        let role = Role::Consumer {
+            group: GROUP_A.into(),
+        };
+        f.add(&format!("consumer-a{i}"), role, true)?;
+    }
+    let role = Role::Consumer {
+        group: GROUP_B.into(),
+    };
+    f.add("consumer-b1", role, true)?;
+    Ok(producer)
+}
+
+/// Reaps and respawns children until cancelled.
+async fn supervise(fleet: Arc<Mutex<Fleet>>, stop: CancellationToken) -> Result<()> {
+    while !stop.is_cancelled() {
+        lock(&fleet).reap()?;
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Waits until the outbox has no pending row, every group has an effect for every committed
+/// event, and every group has quarantined every malformed record. `false` on timeout.
+async fn wait_drained(
+    pool: &PgPool,
+    tables: &TableNames,
+    topic: &str,
+    groups: &[String],
+    timeout: Duration,
+) -> Result<bool> {
+    let outbox = &tables.outbox;
+    let quarantine = &tables.consumer_quarantine;
+    let pending_sql = format!(
+        "SELECT (SELECT count(*) FROM {outbox} WHERE status = 'pending'), (SELECT count(*) FROM {outbox}), \
+                (SELECT count(*) FROM chaos_poison)"
+    );
+    let effects_sql = format!(
+        "SELECT (SELECT count(DISTINCT e.event_id) FROM chaos_effects e JOIN {outbox} o ON o.id = e.event_id \
+                 WHERE e.consumer = $1), \
+                (SELECT count(*) FROM {quarantine} q JOIN chaos_poison p \
+                   ON q.partition = p.partition AND q.\"offset\" = p.kafka_offset \
+                 WHERE q.consumer = $1 AND q.topic = $2)"
+    );
+    let started = Instant::now();
+    let mut last_log = started;
+    loop {
+        let progress = async {
+            let (pending, committed, poison): (i64, i64, i64) =
+                sqlx::query_as(AssertSqlSafe(pending_sql.clone()))
+                    .fetch_one(pool)
+                    .await?;
+            let mut behind = Vec::new();
+            for group in groups {
+                let (effects, quarantined): (i64, i64) =
+                    sqlx::query_as(AssertSqlSafe(effects_sql.clone()))
+                        .bind(group)
+                        .bind(topic)
+                        .fetch_one(pool)
+                        .await?;
+                if effects < committed || quarantined < poison {
+                    behind.push(format!(
+                        "{group}: {effects}/{committed} effects, {quarantined}/{poison} quarantined"
+                    ));
+                }
+            }
+            Ok::<_, sqlx::Error>((pending, behind))
+        };
+        match progress.await {
+            Ok((0, behind)) if behind.is_empty() => {
+                tracing::info!(elapsed = ?started.elapsed(), "drained");
+                return Ok(true);
+            }
+            Ok((pending, behind)) => {
+                if last_log.elapsed() >= Duration::from_secs(5) {
+                    tracing::info!(pending, ?behind, "draining");
+                    last_log = Instant::now();
+                }
+            }
+            Err(error) => tracing::warn!(%error, "drain check failed; retrying"),
+        }
+        if started.elapsed() >= timeout {
+            tracing::error!(?timeout, "did not drain in time");
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Drops the database and the run directory after a passing run; keeps both otherwise.
+async fn finish(clean: bool, db: ChaosDb, dir: &Path) -> Result<()> {
+    if clean {
+        db.drop_database().await?;
+        std::fs::remove_dir_all(dir)?;
+    } else {
+        tracing::warn!(database = %db.name, dir = %dir.display(), "kept for inspection (child logs in dir/logs)");
+    }
+    Ok(())
+}

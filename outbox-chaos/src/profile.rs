@@ -1,0 +1,75 @@
+//! How big and how long a run is.
+
+use std::time::Duration;
+
+/// A named set of run parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ProfileName {
+    /// The test suite's profile: about 2–3 minutes on 2 cores.
+    Ci,
+    /// By hand: about 15–20 minutes, several runs.
+    Long,
+}
+
+/// Run parameters.
+#[derive(Debug, Clone)]
+pub(crate) struct Profile {
+    pub(crate) name: &'static str,
+    /// Independent runs (fresh database, topic and broker each), seeds `seed`, `seed + 1`, ...
+    pub(crate) runs: u64,
+    /// How long faults are injected per run.
+    pub(crate) fault_phase: Duration,
+    /// Most orchestrated faults per run.
+    pub(crate) max_faults: u32,
+    /// Pause between two orchestrated faults, in milliseconds.
+    pub(crate) fault_gap_ms: (u64, u64),
+    /// Topic partitions.
+    pub(crate) partitions: i32,
+    /// Aggregate keys.
+    pub(crate) keys: u32,
+    /// Producer pause between transactions per writer, in milliseconds.
+    pub(crate) producer_pause_ms: (u64, u64),
+    /// Relay processes in normal mode (one more runs in crash-after-ack mode).
+    pub(crate) relays: usize,
+    /// Members of the first consumer group (the second group has one).
+    pub(crate) group_a_members: usize,
+    /// Rounds of malformed-record injection per run.
+    pub(crate) poison_rounds: u32,
+    /// Bound on draining after the fault phase.
+    pub(crate) drain_timeout: Duration,
+}
+
+impl Profile {
+    pub(crate) fn named(name: ProfileName) -> Self {
+        match name {
+            ProfileName::Ci => Self {
+                name: "ci",
+                runs: 1,
+                fault_phase: Duration::from_secs(90),
+                max_faults: 70,
+                fault_gap_ms: (500, 1500),
+                partitions: 4,
+                keys: 24,
+                producer_pause_ms: (10, 40),
+                relays: 2,
+                group_a_members: 3,
+                poison_rounds: 2,
+                drain_timeout: Duration::from_secs(90),
+            },
+            ProfileName::Long => Self {
+                name: "long",
+                runs: 4,
+                fault_phase: Duration::from_secs(200),
+                max_faults: 200,
+                fault_gap_ms: (400, 1500),
+                partitions: 6,
+                keys: 64,
+                producer_pause_ms: (5, 30),
+                relays: 3,
+                group_a_members: 4,
+                poison_rounds: 4,
+                drain_timeout: Duration::from_secs(180),
+            },
+        }
+    }
+}

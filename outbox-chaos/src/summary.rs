@@ -1,0 +1,207 @@
+//! Fault counts and the one-line summary.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// A kind of fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Kind {
+    /// kill -9 of a relay at a random point (mostly mid-batch).
+    RelayKill,
+    /// A relay dying after Kafka acknowledged its batch, before marking it.
+    RelayAfterAck,
+    /// kill -9 of a consumer at a random point (mostly mid-handler).
+    ConsumerKill,
+    /// A consumer dying after its handler committed, before the offset was stored.
+    ConsumerAfterCommit,
+    /// kill -9 of the producer at a random point.
+    ProducerKill,
+    /// The producer dying with its transaction open.
+    ProducerBeforeCommit,
+    /// The producer dying right after its commit.
+    ProducerAfterCommit,
+    /// The broker stopped and started again.
+    BrokerRestart,
+    /// Every connection of the run terminated by `pg_terminate_backend`.
+    PgTerminate,
+    /// A group member joining or leaving while messages are in flight.
+    Rebalance,
+}
+
+impl Kind {
+    pub(crate) const ALL: [Self; 10] = [
+        Self::RelayKill,
+        Self::RelayAfterAck,
+        Self::ConsumerKill,
+        Self::ConsumerAfterCommit,
+        Self::ProducerKill,
+        Self::ProducerBeforeCommit,
+        Self::ProducerAfterCommit,
+        Self::BrokerRestart,
+        Self::PgTerminate,
+        Self::Rebalance,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::RelayKill => "relay_kill9",
+            Self::RelayAfterAck => "relay_after_ack",
+            Self::ConsumerKill => "consumer_kill9",
+            Self::ConsumerAfterCommit => "consumer_after_commit",
+            Self::ProducerKill => "producer_kill9",
+            Self::ProducerBeforeCommit => "producer_before_commit",
+            Self::ProducerAfterCommit => "producer_after_commit",
+            Self::BrokerRestart => "broker_restart",
+            Self::PgTerminate => "pg_terminate",
+            Self::Rebalance => "rebalance",
+        }
+    }
+
+    /// Whether a process died (or the broker went down): a kill cycle.
+    pub(crate) fn is_kill(self) -> bool {
+        !matches!(self, Self::PgTerminate | Self::Rebalance)
+    }
+}
+
+/// Faults by kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Counts(BTreeMap<Kind, u64>);
+
+impl Counts {
+    pub(crate) fn add(&mut self, kind: Kind, n: u64) {
+        *self.0.entry(kind).or_default() += n;
+    }
+
+    pub(crate) fn get(&self, kind: Kind) -> u64 {
+        self.0.get(&kind).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn kill_cycles(&self) -> u64 {
+        self.0
+            .iter()
+            .filter(|(k, _)| k.is_kill())
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    fn merge(&mut self, other: &Self) {
+        for (k, n) in &other.0 {
+            self.add(*k, *n);
+        }
+    }
+}
+
+/// What one run (or several, merged) found. Every field after `counts` that names a
+/// violation must be zero for the run to pass.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Summary {
+    pub(crate) runs: u64,
+    pub(crate) counts: Counts,
+    pub(crate) events_committed: u64,
+    pub(crate) rolled_back: u64,
+    pub(crate) published: u64,
+    pub(crate) duplicates_delivered: u64,
+    pub(crate) effects: u64,
+    pub(crate) poison_injected: u64,
+    pub(crate) poison_quarantined: u64,
+    // Violations:
+    pub(crate) lost: u64,
+    pub(crate) double_effects: u64,
+    pub(crate) order_violations: u64,
+    pub(crate) phantoms: u64,
+    pub(crate) atomicity_violations: u64,
+    pub(crate) pending: u64,
+    pub(crate) outbox_quarantined: u64,
+    pub(crate) poison_failures: u64,
+    pub(crate) unexpected_quarantines: u64,
+    pub(crate) unexpected_exits: u64,
+    pub(crate) drain_timeouts: u64,
+}
+
+impl Summary {
+    /// Whether every invariant held.
+    pub(crate) fn passed(&self) -> bool {
+        [
+            self.lost,
+            self.double_effects,
+            self.order_violations,
+            self.phantoms,
+            self.atomicity_violations,
+            self.pending,
+            self.outbox_quarantined,
+            self.poison_failures,
+            self.unexpected_quarantines,
+            self.unexpected_exits,
+            self.drain_timeouts,
+        ]
+        .iter()
+        .all(|n| *n == 0)
+            && self.runs > 0
+    }
+
+    pub(crate) fn merge(&mut self, o: &Self) {
+        self.runs += o.runs;
+        self.counts.merge(&o.counts);
+        for (mine, theirs) in [
+            (&mut self.events_committed, o.events_committed),
+            (&mut self.rolled_back, o.rolled_back),
+            (&mut self.published, o.published),
+            (&mut self.duplicates_delivered, o.duplicates_delivered),
+            (&mut self.effects, o.effects),
+            (&mut self.poison_injected, o.poison_injected),
+            (&mut self.poison_quarantined, o.poison_quarantined),
+            (&mut self.lost, o.lost),
+            (&mut self.double_effects, o.double_effects),
+            (&mut self.order_violations, o.order_violations),
+            (&mut self.phantoms, o.phantoms),
+            (&mut self.atomicity_violations, o.atomicity_violations),
+            (&mut self.pending, o.pending),
+            (&mut self.outbox_quarantined, o.outbox_quarantined),
+            (&mut self.poison_failures, o.poison_failures),
+            (&mut self.unexpected_quarantines, o.unexpected_quarantines),
+            (&mut self.unexpected_exits, o.unexpected_exits),
+            (&mut self.drain_timeouts, o.drain_timeouts),
+        ] {
+            *mine += theirs;
+        }
+    }
+
+    /// The summary line: `chaos: key=value ...`, one line, stable keys.
+    pub(crate) fn line(&self, profile: &str, seed: u64, seconds: u64) -> String {
+        let mut s = format!(
+            "chaos: result={} profile={profile} seed={seed} seconds={seconds} runs={} kill_cycles={}",
+            if self.passed() { "PASS" } else { "FAIL" },
+            self.runs,
+            self.counts.kill_cycles(),
+        );
+        for kind in Kind::ALL {
+            let _ = write!(s, " {}={}", kind.name(), self.counts.get(kind));
+        }
+        let _ = write!(
+            s,
+            " events_committed={} rolled_back={} published={} duplicates_delivered={} effects={} \
+             poison_quarantined={}/{} lost={} double_effects={} order_violations={} phantoms={} \
+             atomicity_violations={} pending={} outbox_quarantined={} poison_failures={} \
+             unexpected_quarantines={} unexpected_exits={} drain_timeouts={}",
+            self.events_committed,
+            self.rolled_back,
+            self.published,
+            self.duplicates_delivered,
+            self.effects,
+            self.poison_quarantined,
+            self.poison_injected,
+            self.lost,
+            self.double_effects,
+            self.order_violations,
+            self.phantoms,
+            self.atomicity_violations,
+            self.pending,
+            self.outbox_quarantined,
+            self.poison_failures,
+            self.unexpected_quarantines,
+            self.unexpected_exits,
+            self.drain_timeouts,
+        );
+        s
+    }
+}

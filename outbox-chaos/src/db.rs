@@ -52,8 +52,6 @@ CREATE TABLE chaos_poison (
 pub(crate) struct ChaosDb {
     /// Its name.
     pub(crate) name: String,
-    /// The server URL the children get (they connect to `name` on it).
-    pub(crate) server_url: String,
     /// The orchestrator's pool on it.
     pub(crate) pool: PgPool,
     admin: PgPool,
@@ -91,12 +89,7 @@ impl ChaosDb {
             .bind(keys)
             .execute(&pool)
             .await?;
-        Ok(Self {
-            name,
-            server_url: server_url.to_owned(),
-            pool,
-            admin,
-        })
+        Ok(Self { name, pool, admin })
     }
 
     /// Terminates every connection to the run's database but the orchestrator's own, the way

@@ -19,6 +19,26 @@ struct Poison {
     reason: &'static str,
 }
 
+/// What the `id` header of a malformed record carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdHeader {
+    /// No `id` header at all.
+    None,
+    /// This text (not a UUID).
+    Text(&'static str),
+    /// A fresh, valid event id.
+    Valid,
+}
+
+/// One kind of malformed record.
+#[derive(Debug)]
+struct Kind<'a> {
+    reason: &'static str,
+    id: IdHeader,
+    event_type: &'a str,
+    payload: &'a [u8],
+}
+
 /// Larger than the consumers' `max_payload_bytes` (16 KiB).
 const OVERSIZED: usize = 20 * 1024;
 
@@ -37,42 +57,72 @@ pub(crate) async fn inject(
         r#"{{"key":"poison","version":0,"pad":"{}"}}"#,
         "p".repeat(OVERSIZED)
     );
-    // (reason, carries a valid id, type header, payload, id header override)
-    let kinds: [(&'static str, bool, &str, &[u8], Option<&str>); 6] = [
-        ("missing_id", false, EVENT_TYPE, &good_payload, None),
-        (
-            "invalid_id",
-            false,
-            EVENT_TYPE,
-            &good_payload,
-            Some("not-a-uuid"),
-        ),
-        ("invalid_json", true, EVENT_TYPE, b"{not json", None),
-        (
-            "wrong_shape",
-            true,
-            EVENT_TYPE,
-            br#"{"unexpected":true}"#,
-            None,
-        ),
-        ("too_large", true, EVENT_TYPE, big_payload.as_bytes(), None),
-        ("unknown_type", true, "NotAChaosEvent", &good_payload, None),
+    let kinds = [
+        Kind {
+            reason: "missing_id",
+            id: IdHeader::None,
+            event_type: EVENT_TYPE,
+            payload: &good_payload,
+        },
+        Kind {
+            reason: "invalid_id",
+            id: IdHeader::Text("not-a-uuid"),
+            event_type: EVENT_TYPE,
+            payload: &good_payload,
+        },
+        Kind {
+            reason: "invalid_json",
+            id: IdHeader::Valid,
+            event_type: EVENT_TYPE,
+            payload: b"{not json",
+        },
+        Kind {
+            reason: "wrong_shape",
+            id: IdHeader::Valid,
+            event_type: EVENT_TYPE,
+            payload: br#"{"unexpected":true}"#,
+        },
+        Kind {
+            reason: "too_large",
+            id: IdHeader::Valid,
+            event_type: EVENT_TYPE,
+            payload: big_payload.as_bytes(),
+        },
+        Kind {
+            reason: "unknown_type",
+            id: IdHeader::Valid,
+            event_type: "NotAChaosEvent",
+            payload: &good_payload,
+        },
     ];
     let mut injected = Vec::new();
-    for (i, (reason, with_id, event_type, payload, bad_id)) in kinds.into_iter().enumerate() {
-        let partition = i32::try_from((round as usize * kinds_len() + i) % partitions as usize)?;
-        let id = with_id.then(|| *EventId::new().as_uuid());
-        let id_text = id.map(|u| u.to_string());
-        let mut headers = vec![(wire::HEADER_TYPE, event_type)];
-        if let Some(text) = id_text.as_deref().or(bad_id) {
+    let count = kinds.len();
+    for (i, kind) in kinds.into_iter().enumerate() {
+        let partition = i32::try_from((round as usize * count + i) % partitions as usize)?;
+        let id = (kind.id == IdHeader::Valid).then(|| *EventId::new().as_uuid());
+        let id_text = match kind.id {
+            IdHeader::None => None,
+            IdHeader::Text(text) => Some(text.to_owned()),
+            IdHeader::Valid => id.map(|u| u.to_string()),
+        };
+        let mut headers = vec![(wire::HEADER_TYPE, kind.event_type)];
+        if let Some(text) = id_text.as_deref() {
             headers.push((wire::HEADER_ID, text));
         }
-        let offset = produce_raw(&producer, topic, partition, "poison", payload, &headers).await?;
+        let offset = produce_raw(
+            &producer,
+            topic,
+            partition,
+            "poison",
+            kind.payload,
+            &headers,
+        )
+        .await?;
         injected.push(Poison {
             event_id: id,
             partition,
             offset,
-            reason,
+            reason: kind.reason,
         });
     }
     for p in &injected {
@@ -87,8 +137,4 @@ pub(crate) async fn inject(
         .await?;
     }
     Ok(injected.len())
-}
-
-const fn kinds_len() -> usize {
-    6
 }

@@ -12,8 +12,10 @@ use rdkafka::message::{Headers, OwnedMessage};
 use serde::de::DeserializeOwned;
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use uuid::Uuid;
 
+use crate::span;
 use crate::sql::ConsumerSql;
 use crate::{ConsumerConfig, ConsumerError, Event, HandlerFailurePolicy};
 
@@ -235,7 +237,10 @@ where
         shutdown: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
         let started = std::time::Instant::now();
-        let outcome = self.process_unmetered(message, shutdown).await?;
+        let outcome = self
+            .process_unmetered(message, shutdown)
+            .instrument(span::message_span(&self.inner.name, message))
+            .await?;
         record_metric(&self.inner.name, &outcome);
         metrics::histogram!("outbox_consumer_message_seconds", "consumer" => self.inner.name.clone())
             .record(started.elapsed().as_secs_f64());

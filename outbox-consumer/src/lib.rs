@@ -44,6 +44,7 @@ mod event;
 mod prune;
 pub mod quarantine;
 mod runner;
+mod span;
 mod sql;
 
 pub use config::{ConsumerConfig, HandlerFailurePolicy};

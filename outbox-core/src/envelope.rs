@@ -5,7 +5,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::{CoreError, wire};
+use crate::{CoreError, trace, wire};
 
 /// The identity of one decided action or event. A UUIDv7, so ids sort by creation time.
 ///
@@ -131,8 +131,41 @@ impl NewEvent {
                 "header {name:?} is reserved by the wire contract"
             )));
         }
-        self.headers.insert(name, value.into());
+        let value = value.into();
+        if name == trace::HEADER_TRACEPARENT {
+            value.parse::<trace::TraceParent>()?;
+        }
+        self.headers.insert(name, value);
         Ok(self)
+    }
+
+    /// Carries the W3C trace context of the code that decided the event, so the consumer's
+    /// span continues that trace. `tracestate` goes with it when given. With the producer's
+    /// `opentelemetry` feature, `enqueue` captures the current span's context by itself.
+    pub fn with_trace_context(
+        mut self,
+        traceparent: trace::TraceParent,
+        tracestate: Option<&str>,
+    ) -> Self {
+        self.headers.insert(
+            trace::HEADER_TRACEPARENT.to_owned(),
+            traceparent.to_string(),
+        );
+        match tracestate {
+            Some(state) if !state.is_empty() => {
+                self.headers
+                    .insert(trace::HEADER_TRACESTATE.to_owned(), state.to_owned());
+            }
+            _ => {
+                self.headers.remove(trace::HEADER_TRACESTATE);
+            }
+        }
+        self
+    }
+
+    /// The trace context this event carries, if any.
+    pub fn traceparent(&self) -> Option<trace::TraceParent> {
+        self.headers.get(trace::HEADER_TRACEPARENT)?.parse().ok()
     }
 
     /// The event id.
@@ -194,6 +227,13 @@ pub struct Envelope<P = serde_json::Value> {
     pub headers: BTreeMap<String, String>,
 }
 
+impl<P> Envelope<P> {
+    /// The W3C trace context the producer attached, if any and valid.
+    pub fn traceparent(&self) -> Option<trace::TraceParent> {
+        self.headers.get(trace::HEADER_TRACEPARENT)?.parse().ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,9 +254,34 @@ mod tests {
         let e = NewEvent::new("a", "k", "t", &p).expect("valid");
         assert!(e.clone().with_header(wire::HEADER_ID, "x").is_err());
         assert!(e.clone().with_topic("").is_err());
+        assert!(matches!(
+            e.clone().with_header("traceparent", "00-nope"),
+            Err(CoreError::InvalidTraceContext(_))
+        ));
         assert_eq!(
             e.with_header("tenant", "acme").expect("ok").headers().len(),
             1
+        );
+    }
+
+    #[test]
+    fn carries_trace_context_in_headers() {
+        let tp: trace::TraceParent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            .parse()
+            .expect("valid");
+        let e = NewEvent::new("a", "k", "t", &serde_json::json!({}))
+            .expect("valid")
+            .with_trace_context(tp, Some("vendor=1"));
+        assert_eq!(e.traceparent(), Some(tp));
+        assert_eq!(
+            e.headers().get("tracestate").map(String::as_str),
+            Some("vendor=1")
+        );
+        assert!(
+            e.with_trace_context(tp, None)
+                .headers()
+                .get("tracestate")
+                .is_none()
         );
     }
 }

@@ -15,6 +15,9 @@ pub enum CoreError {
     /// A field of an event is empty or otherwise unusable.
     #[error("invalid event: {0}")]
     InvalidEvent(String),
+    /// A `traceparent` is not valid W3C Trace Context.
+    #[error("invalid trace context {0}")]
+    InvalidTraceContext(String),
     /// The payload could not be serialized to JSON.
     #[error("payload is not serializable to JSON: {0}")]
     Payload(#[from] serde_json::Error),

@@ -21,6 +21,7 @@ mod ident;
 mod migrate;
 mod prune;
 mod retry;
+pub mod trace;
 pub mod wire;
 
 pub use envelope::{Envelope, EventId, NewEvent};

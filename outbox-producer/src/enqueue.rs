@@ -1,5 +1,6 @@
 use std::sync::Arc;
 
+use outbox_core::trace::{HEADER_TRACEPARENT, HEADER_TRACESTATE, TraceParent};
 use outbox_core::{EventId, Ident, NewEvent, TableNames};
 use sqlx::PgConnection;
 
@@ -72,6 +73,9 @@ impl Outbox {
 
     /// Writes `event`. Run it inside the transaction that makes the state change: it commits
     /// or rolls back with it. Takes `&mut PgConnection`, so `&mut tx` (or `&mut *tx`) works.
+    ///
+    /// With the `opentelemetry` feature, an event without a `traceparent` of its own gets the
+    /// current span's, so the consumer's span continues the trace that decided the event.
     pub async fn enqueue(
         &self,
         conn: &mut PgConnection,
@@ -83,7 +87,7 @@ impl Outbox {
             .bind(event.aggregate_id())
             .bind(event.event_type())
             .bind(event.payload())
-            .bind(headers_json(event))
+            .bind(headers_json(event, &ambient_trace()))
             .bind(event.topic())
             .execute(conn)
             .await?;
@@ -112,7 +116,13 @@ impl Outbox {
                     .map(|e| e.payload().clone())
                     .collect::<Vec<_>>(),
             )
-            .bind(events.iter().map(headers_json).collect::<Vec<_>>())
+            .bind({
+                let ambient = ambient_trace();
+                events
+                    .iter()
+                    .map(|e| headers_json(e, &ambient))
+                    .collect::<Vec<_>>()
+            })
             .bind(column(NewEvent::topic))
             .execute(conn)
             .await?;
@@ -120,14 +130,37 @@ impl Outbox {
     }
 }
 
-fn headers_json(event: &NewEvent) -> serde_json::Value {
-    serde_json::Value::Object(
-        event
-            .headers()
-            .iter()
-            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
-            .collect(),
-    )
+/// The trace context of the code calling `enqueue`: the current span's with the
+/// `opentelemetry` feature, nothing without it.
+type Ambient = Option<(TraceParent, Option<String>)>;
+
+fn ambient_trace() -> Ambient {
+    #[cfg(feature = "opentelemetry")]
+    {
+        outbox_core::trace::current()
+    }
+    #[cfg(not(feature = "opentelemetry"))]
+    {
+        None
+    }
+}
+
+/// The event's headers as stored; an event without its own trace context gets the ambient one.
+fn headers_json(event: &NewEvent, ambient: &Ambient) -> serde_json::Value {
+    let mut headers: serde_json::Map<String, serde_json::Value> = event
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .collect();
+    if let Some((parent, state)) = ambient
+        && !headers.contains_key(HEADER_TRACEPARENT)
+    {
+        headers.insert(HEADER_TRACEPARENT.to_owned(), parent.to_string().into());
+        if let Some(state) = state {
+            headers.insert(HEADER_TRACESTATE.to_owned(), state.clone().into());
+        }
+    }
+    serde_json::Value::Object(headers)
 }
 
 /// [`Outbox::enqueue`] on the default table.

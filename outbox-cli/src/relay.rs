@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use outbox_core::TableNames;
 use outbox_producer::{AfterPublish, QuarantinePolicy, Relay, RelayConfig, producer_config};
@@ -51,10 +51,7 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
             QuarantinePolicy::SkipQuarantined
         });
     if let Some(addr) = args.metrics_addr {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .with_context(|| format!("cannot serve metrics on {addr}"))?;
+        outbox_producer::serve_metrics(addr)?;
         eprintln!("metrics on http://{addr}/metrics");
     }
     let relay = Relay::new(pool, &producer_config(&args.brokers), config)?;

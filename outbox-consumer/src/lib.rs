@@ -51,6 +51,9 @@ pub use config::{ConsumerConfig, HandlerFailurePolicy};
 pub use dedup::{ConsumerStats, DedupConsumer, Handler, HandlerError, HandlerFuture, Outcome};
 pub use error::ConsumerError;
 pub use event::Event;
+#[cfg(feature = "prometheus")]
+pub use outbox_core::serve_metrics;
+pub use outbox_core::trace;
 pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};
 pub use prune::prune;
 pub use runner::{consumer_config, dedup_consume};

@@ -24,6 +24,9 @@ pub enum CoreError {
     /// Applying the migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The metrics endpoint could not be installed.
+    #[error("{0}")]
+    Metrics(String),
     /// A database error.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

@@ -18,6 +18,8 @@
 mod envelope;
 mod error;
 mod ident;
+#[cfg(feature = "prometheus")]
+mod metrics_endpoint;
 mod migrate;
 mod prune;
 mod retry;
@@ -27,6 +29,8 @@ pub mod wire;
 pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
 pub use ident::{Ident, TableNames};
+#[cfg(feature = "prometheus")]
+pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};
 pub use prune::delete_in_batches;
 pub use retry::backoff;

@@ -36,5 +36,8 @@ mod sql;
 pub use enqueue::{Outbox, enqueue, enqueue_all};
 pub use error::ProducerError;
 pub use maintenance::{OutboxStats, prune_published, stats};
+#[cfg(feature = "prometheus")]
+pub use outbox_core::serve_metrics;
+pub use outbox_core::trace;
 pub use outbox_core::{EventId, MIGRATOR, NewEvent, TableNames, migrate, wire};
 pub use relay::{AfterPublish, BatchReport, QuarantinePolicy, Relay, RelayConfig, producer_config};

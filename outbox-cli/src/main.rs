@@ -14,6 +14,7 @@
 
 mod quarantine;
 mod relay;
+mod status;
 
 use std::time::Duration;
 
@@ -49,7 +50,7 @@ struct Cli {
 enum Command {
     /// Create or upgrade the framework's tables.
     Migrate,
-    /// Outbox depth, relay lag and quarantine counts.
+    /// Outbox depth and relay lag per topic, quarantine counts, dedup table size.
     Status {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -118,36 +119,7 @@ async fn main() -> Result<()> {
         // Migrate and Relay returned above and never reach this match.
         Command::Migrate | Command::Relay(_) => {}
         Command::Quarantine { action } => quarantine::run(&mut conn, &tables, action).await?,
-        Command::Status { json } => {
-            let outbox = outbox_producer::stats(&mut conn, &tables).await?;
-            let consumer_quarantined: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                "SELECT count(*) FROM {}",
-                tables.consumer_quarantine
-            )))
-            .fetch_one(&mut *conn)
-            .await?;
-            if json {
-                let value = serde_json::json!({
-                    "pending": outbox.pending,
-                    "oldest_pending_age_ms": outbox.oldest_pending_age_ms,
-                    "quarantined": outbox.quarantined,
-                    "consumer_quarantined": consumer_quarantined,
-                });
-                println!("{value}");
-            } else {
-                let age = outbox.oldest_pending_age_ms.map_or_else(
-                    || "-".to_owned(),
-                    |ms| {
-                        humantime::format_duration(Duration::from_millis(ms.unsigned_abs()))
-                            .to_string()
-                    },
-                );
-                println!("pending              {}", outbox.pending);
-                println!("oldest pending age   {age}");
-                println!("relay quarantined    {}", outbox.quarantined);
-                println!("consumer quarantined {consumer_quarantined}");
-            }
-        }
+        Command::Status { json } => status::run(&mut conn, &tables, json).await?,
         Command::Prune {
             what,
             older_than,

@@ -2,7 +2,8 @@
 
 use std::process::Command;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use outbox_producer::NewEvent;
 use outbox_tests::{TestDb, database_url};
 
 /// The test database's URL with the test's schema as `search_path`.
@@ -62,6 +63,68 @@ async fn status_reports_json_and_bad_arguments_fail_clearly() -> Result<()> {
     let status: serde_json::Value = serde_json::from_str(&stdout)?;
     assert_eq!(status["pending"], 0);
     assert_eq!(status["consumer_quarantined"], 0);
+    assert_eq!(status["topics"], serde_json::json!([]));
+
+    let mut tx = db.pool.begin().await?;
+    for topic in ["orders", "orders", "invoices"] {
+        let event =
+            NewEvent::new("agent", "a1", "Decided", &serde_json::json!({}))?.with_topic(topic)?;
+        outbox_producer::enqueue(&mut tx, &event).await?;
+    }
+    tx.commit().await?;
+    sqlx::query(
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id) \
+         SELECT c, gen_random_uuid() FROM unnest(ARRAY['billing', 'billing', 'audit']) AS c",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, stdout, stderr) = outbox(&db, &["status", "--json"])?;
+    assert!(ok, "{stderr}");
+    let status: serde_json::Value = serde_json::from_str(&stdout)?;
+    assert_eq!(status["pending"], 3);
+    let per_topic: Vec<(String, i64)> = status["topics"]
+        .as_array()
+        .context("topics")?
+        .iter()
+        .map(|t| {
+            (
+                t["topic"].as_str().unwrap_or("").to_owned(),
+                t["pending"].as_i64().unwrap_or(-1),
+            )
+        })
+        .collect();
+    assert_eq!(
+        per_topic,
+        [("invoices".to_owned(), 1), ("orders".to_owned(), 2)]
+    );
+    assert_eq!(status["dedup"]["rows"], 3);
+    assert_eq!(
+        status["dedup"]["consumers"],
+        serde_json::json!([{"consumer": "audit", "rows": 1}, {"consumer": "billing", "rows": 2}])
+    );
+    assert!(status["dedup"]["bytes"].as_i64().unwrap_or(0) > 0);
+    let (ok, stdout, stderr) = outbox(&db, &["status"])?;
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("orders") && stdout.contains("dedup rows           3"),
+        "{stdout}"
+    );
+
+    // An unreachable database is named as such, not a panic or a raw driver error alone.
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args([
+            "status",
+            "--database-url",
+            "postgres://postgres@127.0.0.1:1/nowhere",
+        ])
+        .env("RUST_BACKTRACE", "0")
+        .output()?;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr)?;
+    assert!(
+        stderr.contains("cannot connect to the database"),
+        "{stderr}"
+    );
 
     let (ok, _, stderr) = outbox(&db, &["prune", "dedup", "--older-than", "seven days"])?;
     assert!(!ok);

@@ -103,6 +103,10 @@ fn main() -> ExitCode {
             Command::Consumer(args) => children::consumer::run(args).await.map(|()| true),
         }
     });
+    // A client still closing on a blocking thread (a consumer whose broker is down) must not
+    // hold the process: its work is bounded by the framework's own timeouts, and what it did
+    // not finish is redelivered.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),

@@ -16,6 +16,17 @@
 //!
 //! Dedup rows live until [`prune`] removes them; see its docs for choosing the TTL.
 //!
+//! # Observability
+//! Each message is handled inside an `outbox.consume` span whose `traceparent` field is the
+//! W3C trace context the producer attached. Counters and a latency histogram go to the
+//! `metrics` facade (`serve_metrics`, under the `prometheus` feature, lists the names).
+//!
+//! # Features
+//! - `opentelemetry`: the received trace context becomes the parent of the `outbox.consume`
+//!   span (through `tracing-opentelemetry`), so handler spans join the producer's trace.
+//! - `prometheus`: `serve_metrics` serves the metrics on an HTTP endpoint.
+//! - `fault-injection`: crash hooks for tests; never in production.
+//!
 //! Handlers run beside the Kafka poll loop, so a slow handler does not stop polling; but once
 //! a partition has 256 messages queued the loop waits for it, and a handler stuck for longer
 //! than `max.poll.interval.ms` costs the member its partitions. Bound handler time.

@@ -12,6 +12,14 @@
 //! - **Poison rows never stall the outbox**: permanent failures are quarantined at once,
 //!   transient ones after `max_attempts` with backoff; other keys keep flowing.
 //!
+//! # Features
+//! - `opentelemetry`: [`Outbox::enqueue`] stores the current span's W3C trace context
+//!   (`traceparent`, `tracestate` headers) with events that carry none, so the consumer's span
+//!   continues the trace that decided the event. Without it, attach one explicitly with
+//!   [`NewEvent::with_trace_context`].
+//! - `prometheus`: `serve_metrics` serves the relay's metrics on an HTTP endpoint.
+//! - `fault-injection`: crash hooks for tests; never in production.
+//!
 //! ```no_run
 //! # async fn doc(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 //! use outbox_producer::{Relay, RelayConfig, producer_config};

@@ -125,7 +125,8 @@ async fn main() -> Result<()> {
     println!(
         "as the payment API's idempotency key. Each scenario kills the process once, restarts it."
     );
-    for point in args.crash_at.points() {
+    let points = args.crash_at.points();
+    for &point in &points {
         match point {
             Some(point) => println!("\ncrash at {}: {}", point.name(), point.describe()),
             None => println!("\nno crash"),
@@ -134,5 +135,10 @@ async fn main() -> Result<()> {
         print_report(&report);
         println!("   OK: every decision made once, every invoice charged once, state consistent");
     }
+    println!(
+        "\nOK: {} scenario(s) recovered: one model call per committed decision, one charge per \
+         invoice, state consistent",
+        points.len()
+    );
     Ok(())
 }

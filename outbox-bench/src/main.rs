@@ -3,6 +3,7 @@
 //!
 //! Needs PostgreSQL and tansu (`scripts/bench` starts them). Prints a table and writes JSON.
 
+mod memory;
 mod p1_write;
 mod p2_relay;
 mod p3_latency;
@@ -19,8 +20,8 @@ use clap::Parser;
 #[command(name = "outbox-bench")]
 pub(crate) struct Settings {
     /// Which parts to run: p1 (write overhead), p2 (relay throughput and P5 growth),
-    /// p3 (latency), p4 (consumer).
-    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into()])]
+    /// p3 (latency), p4 (consumer), mem (peak RSS of a relay and a consumer process).
+    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into()])]
     only: Vec<String>,
     /// Interleaved rounds per figure.
     #[arg(long, default_value_t = 5)]
@@ -37,6 +38,15 @@ pub(crate) struct Settings {
     /// Relay batch size.
     #[arg(long, default_value_t = 1_000)]
     pub(crate) batch_size: u32,
+    /// Internal: run as a `mem` child process in this role.
+    #[arg(long, value_enum, hide = true)]
+    role: Option<memory::Role>,
+    /// Internal: the `mem` child's schema.
+    #[arg(long, hide = true)]
+    pub(crate) schema: Option<String>,
+    /// Internal: the `mem` child's topic.
+    #[arg(long, hide = true)]
+    pub(crate) topic: Option<String>,
     /// Where to write the JSON results.
     #[arg(long, default_value = "target/bench/results.json")]
     json: std::path::PathBuf,
@@ -51,6 +61,9 @@ fn humantime_secs(s: &str) -> Result<Duration, std::num::ParseFloatError> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let settings = Settings::parse();
+    if let Some(role) = settings.role {
+        return memory::child(&settings, role).await;
+    }
     let mut figures = Vec::new();
     let wants = |part: &str| settings.only.iter().any(|p| p == part);
     if wants("p1") {
@@ -64,6 +77,9 @@ async fn main() -> Result<()> {
     }
     if wants("p4") {
         figures.extend(p4_consumer::run(&settings).await?);
+    }
+    if wants("mem") {
+        figures.extend(memory::run(&settings).await?);
     }
     let peak_rss_kib = peak_rss_kib();
     println!(
@@ -89,7 +105,7 @@ async fn main() -> Result<()> {
 }
 
 /// The process's peak resident set (VmHWM), from /proc.
-fn peak_rss_kib() -> Option<u64> {
+pub(crate) fn peak_rss_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
         .lines()

@@ -22,7 +22,7 @@ fn payload(n: usize) -> serde_json::Value {
     json!({ "n": n, "decision": "send_invoice", "cents": 1200, "note": "x".repeat(100) })
 }
 
-async fn fill(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
+pub(crate) async fn fill(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
     for start in (0..events).step_by(1_000) {
         let batch = (start..(start + 1_000).min(events))
             .map(|n| {

@@ -23,13 +23,13 @@ use crate::sample::{Figure, Sample};
 
 const PARTITIONS: i32 = 4;
 
-type Handler = for<'c> fn(
+pub(crate) type Handler = for<'c> fn(
     &'c Event<serde_json::Value>,
     &'c mut Transaction<'static, Postgres>,
 ) -> HandlerFuture<'c>;
 
 /// The handler both variants run: one insert on the given transaction.
-fn effect<'c>(
+pub(crate) fn effect<'c>(
     event: &'c Event<serde_json::Value>,
     tx: &'c mut Transaction<'static, Postgres>,
 ) -> HandlerFuture<'c> {
@@ -44,6 +44,16 @@ async fn insert_effect(
         .bind(key)
         .execute(&mut **tx)
         .await?;
+    Ok(())
+}
+
+/// The table the handler writes.
+pub(crate) async fn create_effects(pool: &PgPool) -> Result<()> {
+    sqlx::query(
+        "CREATE TABLE effects (key TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
@@ -139,11 +149,7 @@ async fn duplicate_rate(
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let events = (settings.events / 4) as i64;
     let db = TestDb::new().await?;
-    sqlx::query(
-        "CREATE TABLE effects (key TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
-    )
-    .execute(&db.pool)
-    .await?;
+    create_effects(&db.pool).await?;
     let topic = random_topic(PARTITIONS).await?;
     let producer: FutureProducer = producer_config(&kafka_bootstrap()).create()?;
     let records: Vec<(String, String, String)> = (0..events)

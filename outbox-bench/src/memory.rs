@@ -1,0 +1,173 @@
+//! Peak RSS of a relay and of a consumer, each in a process of its own under the P2 and P4
+//! loads, against the floor: a process that opens the same clients and does no work.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use outbox_consumer::{ConsumerConfig, DedupConsumer, consumer_config};
+use outbox_producer::{Relay, RelayConfig, producer_config};
+use outbox_tests::{TestDb, database_url, eventually, kafka_bootstrap, random_topic, unique};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+
+use crate::sample::{Figure, Sample};
+use crate::{Settings, p2_relay, p4_consumer};
+
+const PARTITIONS: i32 = 4;
+
+/// What a child process does before it reports its peak RSS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Role {
+    /// Open the pool, the producer and the consumer; do nothing.
+    Idle,
+    /// Drain the outbox with one relay.
+    Relay,
+    /// Consume the topic with `dedup_consume` until every event has its effect.
+    Consumer,
+}
+
+pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
+    let db = TestDb::new().await?;
+    p4_consumer::create_effects(&db.pool).await?;
+    let exe = std::env::current_exe()?;
+    let (mut idle, mut relay, mut consumer) = Default::default();
+    for round in 0..settings.rounds {
+        let topic = random_topic(PARTITIONS).await?;
+        p2_relay::fill(&db.pool, &topic, settings.events).await?;
+        let child = |role| child_rss_mib(&exe, settings, role, &db.schema, &topic);
+        Sample::push(&mut idle, child(Role::Idle).await?);
+        Sample::push(&mut relay, child(Role::Relay).await?);
+        Sample::push(&mut consumer, child(Role::Consumer).await?);
+        eprintln!(
+            "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB",
+            idle.values[round], relay.values[round], consumer.values[round]
+        );
+    }
+    let per = format!("{} events", settings.events);
+    Ok(vec![
+        Figure::at_least(
+            "MEM",
+            format!("relay peak RSS, own process, {per}"),
+            "MiB",
+            relay,
+            "same clients, idle",
+            idle.clone(),
+            None,
+        ),
+        Figure::at_least(
+            "MEM",
+            format!("consumer peak RSS, own process, {per}"),
+            "MiB",
+            consumer,
+            "same clients, idle",
+            idle,
+            None,
+        ),
+    ])
+}
+
+/// Runs this executable in `role` and returns the peak RSS it reports.
+async fn child_rss_mib(
+    exe: &std::path::Path,
+    settings: &Settings,
+    role: Role,
+    schema: &str,
+    topic: &str,
+) -> Result<f64> {
+    let role_name = format!("{role:?}").to_lowercase();
+    let out = tokio::process::Command::new(exe)
+        .args(["--role", &role_name, "--schema", schema, "--topic", topic])
+        .args(["--events", &settings.events.to_string()])
+        .args(["--batch-size", &settings.batch_size.to_string()])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "{role_name} child failed: {}",
+        out.status
+    );
+    let stdout = String::from_utf8(out.stdout)?;
+    let kib: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("peak_rss_kib="))
+        .with_context(|| format!("{role_name} child printed no peak RSS: {stdout}"))?
+        .parse()?;
+    Ok(kib / 1024.0)
+}
+
+/// The child's side: do `role`'s work, then print `peak_rss_kib=<VmHWM>`.
+pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
+    let schema = settings.schema.as_deref().context("--schema")?;
+    let topic = settings.topic.as_deref().context("--topic")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            PgConnectOptions::from_str(&database_url())?.options([("search_path", schema)]),
+        )
+        .await?;
+    match role {
+        Role::Idle => {
+            let _relay = relay(&pool, settings)?;
+            let stream: StreamConsumer =
+                consumer_config(&kafka_bootstrap(), &unique("idle")).create()?;
+            stream.subscribe(&[topic])?;
+            stream.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+        }
+        Role::Relay => {
+            let relay = relay(&pool, settings)?;
+            let mut published = 0;
+            loop {
+                let report = relay.run_once().await?;
+                if report.claimed == 0 {
+                    break;
+                }
+                published += report.published;
+            }
+            ensure!(
+                published == settings.events,
+                "relay published {published} of {}",
+                settings.events
+            );
+        }
+        Role::Consumer => consume_all(&pool, topic, settings.events).await?,
+    }
+    println!(
+        "peak_rss_kib={}",
+        crate::peak_rss_kib().context("no /proc/self/status")?
+    );
+    Ok(())
+}
+
+fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
+    Ok(Relay::new(
+        pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default().batch_size(settings.batch_size),
+    )?)
+}
+
+async fn consume_all(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
+    let consumer = DedupConsumer::new(
+        pool.clone(),
+        ConsumerConfig::new(unique("mem")),
+        p4_consumer::effect as p4_consumer::Handler,
+    )?;
+    let stream: StreamConsumer = consumer_config(&kafka_bootstrap(), &unique("mem")).create()?;
+    stream.subscribe(&[topic])?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        async move { consumer.run(stream, shutdown).await }
+    });
+    eventually("every event consumed", Duration::from_secs(300), || async {
+        Ok(consumer.stats().processed >= events as u64)
+    })
+    .await?;
+    shutdown.cancel();
+    running.await??;
+    Ok(())
+}

@@ -2,10 +2,12 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use outbox_core::TableNames;
 use outbox_producer::{AfterPublish, QuarantinePolicy, Relay, RelayConfig, producer_config};
+use rdkafka::ClientConfig;
+use rdkafka::producer::{BaseProducer, Producer};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -29,6 +31,9 @@ pub(crate) struct RelayArgs {
     /// Hold an aggregate's later rows behind its quarantined row.
     #[arg(long)]
     block_key_on_quarantine: bool,
+    /// How long to wait for the brokers at startup before giving up, like `10s`.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "10s")]
+    connect_timeout: Duration,
     /// Serve Prometheus metrics on this address (for example `127.0.0.1:9464`).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<std::net::SocketAddr>,
@@ -54,7 +59,9 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
         outbox_producer::serve_metrics(addr)?;
         eprintln!("metrics on http://{addr}/metrics");
     }
-    let relay = Relay::new(pool, &producer_config(&args.brokers), config)?;
+    let kafka = producer_config(&args.brokers);
+    check_brokers(&kafka, &args.brokers, args.connect_timeout).await?;
+    let relay = Relay::new(pool, &kafka, config)?;
     let shutdown = CancellationToken::new();
     tokio::spawn({
         let shutdown = shutdown.clone();
@@ -66,6 +73,16 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
     });
     eprintln!("relaying to {}", args.brokers);
     relay.run(shutdown).await?;
+    Ok(())
+}
+
+/// Fails fast, naming the address, when no broker answers: librdkafka would otherwise retry
+/// quietly and the relay would only log failed batches.
+async fn check_brokers(kafka: &ClientConfig, brokers: &str, timeout: Duration) -> Result<()> {
+    let probe: BaseProducer = kafka.create()?;
+    tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, timeout))
+        .await?
+        .with_context(|| format!("cannot reach the Kafka brokers at {brokers}"))?;
     Ok(())
 }
 

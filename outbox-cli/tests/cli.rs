@@ -328,3 +328,24 @@ fn scrape(addr: &str) -> Result<String> {
     stream.read_to_string(&mut body)?;
     Ok(body)
 }
+
+#[tokio::test]
+async fn relay_names_unreachable_brokers_instead_of_retrying_silently() -> Result<()> {
+    let db = TestDb::new().await?;
+    let (ok, _, stderr) = outbox(
+        &db,
+        &[
+            "relay",
+            "--brokers",
+            "127.0.0.1:1",
+            "--connect-timeout",
+            "2s",
+        ],
+    )?;
+    assert!(!ok);
+    assert!(
+        stderr.contains("cannot reach the Kafka brokers at 127.0.0.1:1"),
+        "{stderr}"
+    );
+    Ok(())
+}

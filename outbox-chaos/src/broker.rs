@@ -133,10 +133,13 @@ impl Broker {
         Ok(())
     }
 
-    /// Stops the broker, keeps it down for `downtime`, and starts it again on the same port
-    /// and storage.
+    /// Kills the broker (`kill -9`: a crash, so no request is answered half shut down), keeps
+    /// it down for `downtime`, and starts it again on the same port and storage.
     pub(crate) async fn restart(&mut self, downtime: Duration) -> Result<()> {
-        self.stop().await?;
+        if let Some(mut child) = self.child.take() {
+            child.kill()?;
+            child.wait()?;
+        }
         tokio::time::sleep(downtime).await;
         self.spawn().await
     }

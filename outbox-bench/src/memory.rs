@@ -33,14 +33,14 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let db = TestDb::new().await?;
     p4_consumer::create_effects(&db.pool).await?;
     let exe = std::env::current_exe()?;
-    let (mut idle, mut relay, mut consumer) = Default::default();
+    let [mut idle, mut relay, mut consumer]: [Sample; 3] = Default::default();
     for round in 0..settings.rounds {
         let topic = random_topic(PARTITIONS).await?;
         p2_relay::fill(&db.pool, &topic, settings.events).await?;
         let child = |role| child_rss_mib(&exe, settings, role, &db.schema, &topic);
-        Sample::push(&mut idle, child(Role::Idle).await?);
-        Sample::push(&mut relay, child(Role::Relay).await?);
-        Sample::push(&mut consumer, child(Role::Consumer).await?);
+        idle.push(child(Role::Idle).await?);
+        relay.push(child(Role::Relay).await?);
+        consumer.push(child(Role::Consumer).await?);
         eprintln!(
             "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB",
             idle.values[round], relay.values[round], consumer.values[round]

@@ -21,13 +21,21 @@ const RAW_INSERT: &str = "WITH lock AS (SELECT pg_advisory_xact_lock(hashtext('o
     SELECT $1, $2, $3, $4, $5, $6, $7 FROM lock RETURNING 1) \
     SELECT pg_notify('outbox_' || 'outbox_events'::regclass::oid::text, '') FROM (SELECT 1 FROM ins LIMIT 1) AS written";
 
-#[derive(Debug, Clone, Copy)]
+/// The floor: the same row into a table with no index, no lock and no NOTIFY. What any second
+/// row in the transaction costs Postgres, whatever writes it.
+const BARE_INSERT: &str = "INSERT INTO bare_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7)";
+
 /// The state update, alone or with an outbox write.
+#[derive(Debug, Clone, Copy)]
 enum Variant {
     Alone,
     WithEnqueue,
     WithQuietEnqueue,
+    /// Neither NOTIFY nor the per-key lock.
+    WithLeanEnqueue,
     WithRawSql,
+    WithBareInsert,
 }
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
@@ -39,21 +47,49 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         .bind(ACCOUNTS)
         .execute(&db.pool)
         .await?;
-    let (mut state, mut enqueue, mut quiet, mut raw) = (
-        Sample::default(),
-        Sample::default(),
-        Sample::default(),
-        Sample::default(),
-    );
+    sqlx::query(
+        "CREATE TABLE bare_events (id UUID, aggregatetype TEXT, aggregateid TEXT, type TEXT, \
+         payload JSONB, headers JSONB, topic TEXT, created_at TIMESTAMPTZ DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
+    let [
+        mut state,
+        mut enqueue,
+        mut quiet,
+        mut lean,
+        mut raw,
+        mut bare,
+    ]: [Sample; 6] = Default::default();
     for round in 0..settings.rounds {
         // Interleaved, so drift (autovacuum, table growth, a busy core) hits every variant alike.
         state.push(rate(&db.pool, Variant::Alone, settings).await?);
         enqueue.push(rate(&db.pool, Variant::WithEnqueue, settings).await?);
-        quiet.push(rate(&db.pool, Variant::WithQuietEnqueue, settings).await?);
-        raw.push(rate(&db.pool, Variant::WithRawSql, settings).await?);
+        Sample::push(
+            &mut quiet,
+            rate(&db.pool, Variant::WithQuietEnqueue, settings).await?,
+        );
+        Sample::push(
+            &mut lean,
+            rate(&db.pool, Variant::WithLeanEnqueue, settings).await?,
+        );
+        Sample::push(
+            &mut raw,
+            rate(&db.pool, Variant::WithRawSql, settings).await?,
+        );
+        Sample::push(
+            &mut bare,
+            rate(&db.pool, Variant::WithBareInsert, settings).await?,
+        );
         eprintln!(
-            "P1 round {round}: state {:.0}, +enqueue {:.0} (without NOTIFY {:.0}), +raw {:.0} tx/s",
-            state.values[round], enqueue.values[round], quiet.values[round], raw.values[round]
+            "P1 round {round}: state {:.0}, +enqueue {:.0} (without NOTIFY {:.0}, without NOTIFY \
+             and lock {:.0}), +raw {:.0}, +bare row {:.0} tx/s",
+            state.values[round],
+            enqueue.values[round],
+            quiet.values[round],
+            lean.values[round],
+            raw.values[round],
+            bare.values[round]
         );
     }
     Ok(vec![
@@ -72,8 +108,26 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             "tx/s",
             quiet,
             "state alone",
-            state,
+            state.clone(),
             Some(0.8),
+        ),
+        Figure::at_least(
+            "P1",
+            "state + enqueue, no notify, no key lock",
+            "tx/s",
+            lean,
+            "state alone",
+            state.clone(),
+            None,
+        ),
+        Figure::at_least(
+            "P1",
+            "state + bare row, no index/lock/notify",
+            "tx/s",
+            bare,
+            "state alone (the Postgres floor)",
+            state,
+            None,
         ),
         Figure::at_least(
             "P1",
@@ -96,8 +150,13 @@ async fn rate(pool: &PgPool, variant: Variant, settings: &Settings) -> Result<f6
         .map(|c| {
             let (pool, done) = (pool.clone(), Arc::clone(&done));
             tokio::spawn(async move {
-                let outbox =
-                    Outbox::default().notify(!matches!(variant, Variant::WithQuietEnqueue));
+                let quiet = matches!(
+                    variant,
+                    Variant::WithQuietEnqueue | Variant::WithLeanEnqueue
+                );
+                let outbox = Outbox::default()
+                    .notify(!quiet)
+                    .lock_per_key(!matches!(variant, Variant::WithLeanEnqueue));
                 let mut i = c as i64;
                 while Instant::now() < deadline {
                     one_transaction(&pool, &outbox, variant, i % ACCOUNTS + 1).await?;
@@ -133,7 +192,7 @@ async fn one_transaction(
     let payload = json!({ "account": account, "delta": 1 });
     match variant {
         Variant::Alone => {}
-        Variant::WithEnqueue | Variant::WithQuietEnqueue => {
+        Variant::WithEnqueue | Variant::WithQuietEnqueue | Variant::WithLeanEnqueue => {
             outbox
                 .enqueue(
                     &mut tx,
@@ -141,8 +200,13 @@ async fn one_transaction(
                 )
                 .await?;
         }
-        Variant::WithRawSql => {
-            sqlx::query(RAW_INSERT)
+        Variant::WithRawSql | Variant::WithBareInsert => {
+            let sql = if matches!(variant, Variant::WithRawSql) {
+                RAW_INSERT
+            } else {
+                BARE_INSERT
+            };
+            sqlx::query(sql)
                 .bind(uuid::Uuid::now_v7())
                 .bind("account")
                 .bind(&key)

@@ -29,6 +29,10 @@ pub(crate) struct Chaos<'a> {
     extras: u32,
 }
 
+/// How long a consumer runs before the loop may `kill -9` it: longer than the session
+/// timeout (6 s), so it has joined its group.
+const CONSUMER_MIN_AGE: Duration = Duration::from_secs(8);
+
 /// Faults the loop picks from, with weights.
 const MENU: [(Kind, u32); 6] = [
     (Kind::RelayKill, 6),
@@ -128,6 +132,17 @@ impl<'a> Chaos<'a> {
         lock(self.fleet).live(filter).choose(&mut self.rng).copied()
     }
 
+    /// A consumer that has had time to join its group. Killing members again and again while
+    /// they are still joining drives tansu's coordinator into a state where the group stays
+    /// steady with nothing assigned (a broker bug, see `Fleet::restart_group`); a member that
+    /// has joined is fair game.
+    fn pick_joined_consumer(&mut self) -> Option<usize> {
+        lock(self.fleet)
+            .live_for(CONSUMER_MIN_AGE, |r| matches!(r, Role::Consumer { .. }))
+            .choose(&mut self.rng)
+            .copied()
+    }
+
     async fn inject(&mut self, kind: Kind) -> Result<()> {
         match kind {
             Kind::RelayKill => {
@@ -136,7 +151,7 @@ impl<'a> Chaos<'a> {
                 }
             }
             Kind::ConsumerKill => {
-                if let Some(i) = self.pick(|r| matches!(r, Role::Consumer { .. })) {
+                if let Some(i) = self.pick_joined_consumer() {
                     lock(self.fleet).kill(i)?;
                 }
             }

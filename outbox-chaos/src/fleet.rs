@@ -55,6 +55,8 @@ struct Slot {
     child: Option<Child>,
     /// Respawn when it exits.
     keep: bool,
+    /// When the current process was started.
+    started: Instant,
     expect: Option<Expect>,
 }
 
@@ -84,6 +86,11 @@ pub(crate) struct Fleet {
     pub(crate) counts: Counts,
     /// Deaths nobody planned: each a description.
     pub(crate) unexpected: Vec<String>,
+    /// Consumer groups restarted because they stopped making progress (see
+    /// [`Fleet::restart_group`]).
+    pub(crate) group_restarts: u64,
+    /// Per consumer group, how often it was re-formed under a new Kafka `group.id`.
+    kafka_group_epochs: std::collections::HashMap<String, u32>,
 }
 
 impl Fleet {
@@ -95,6 +102,8 @@ impl Fleet {
             faults_on: true,
             counts: Counts::default(),
             unexpected: Vec::new(),
+            group_restarts: 0,
+            kafka_group_epochs: std::collections::HashMap::new(),
         }
     }
 
@@ -105,6 +114,7 @@ impl Fleet {
             role,
             child: None,
             keep,
+            started: Instant::now(),
             expect: None,
         });
         let index = self.slots.len() - 1;
@@ -151,6 +161,9 @@ impl Fleet {
             }
             Role::Consumer { group } => {
                 let mut a = vec!["consumer".into(), format!("--group={group}")];
+                if let Some(epoch) = self.kafka_group_epochs.get(group) {
+                    a.push(format!("--kafka-group={group}.re{epoch}"));
+                }
                 if self.faults_on && self.rng.random_bool(0.4) {
                     a.push(format!(
                         "--crash-after-commit-ms={}",
@@ -186,6 +199,7 @@ impl Fleet {
         tracing::debug!(label = %slot.label, pid = child.id(), args = ?role_args, "started");
         let slot = &mut self.slots[index];
         slot.child = Some(child);
+        slot.started = Instant::now();
         slot.expect = None;
         Ok(())
     }
@@ -250,8 +264,16 @@ impl Fleet {
 
     /// Labels of live children matching `filter`.
     pub(crate) fn live(&self, filter: impl Fn(&Role) -> bool) -> Vec<usize> {
+        self.live_for(Duration::ZERO, filter)
+    }
+
+    /// Live children matching `filter` that have been running for at least `age`.
+    pub(crate) fn live_for(&self, age: Duration, filter: impl Fn(&Role) -> bool) -> Vec<usize> {
         (0..self.slots.len())
-            .filter(|&i| self.slots[i].child.is_some() && filter(&self.slots[i].role))
+            .filter(|&i| {
+                let slot = &self.slots[i];
+                slot.child.is_some() && slot.started.elapsed() >= age && filter(&slot.role)
+            })
             .collect()
     }
 
@@ -275,9 +297,29 @@ impl Fleet {
         let slot = &mut self.slots[index];
         slot.keep = keep;
         if let Some(child) = slot.child.as_ref() {
-            slot.expect = Some(Expect::Stopped);
+            // A child already being killed stays expected to die of that.
+            if slot.expect.is_none() {
+                slot.expect = Some(Expect::Stopped);
+            }
             send_sigterm(child.id());
         }
+    }
+
+    /// Re-forms consumer group `group`: stops its live members gracefully and starts them
+    /// again under a new Kafka `group.id` (same dedup scope). They read the topic from the
+    /// start, and the dedup table must absorb every record they had already handled. This is
+    /// the way out of a tansu coordinator that answers a new leader's SyncGroup with a stale,
+    /// empty assignment and keeps the group steady with no partition assigned (seen after
+    /// members were killed during a rebalance); restarting under the same `group.id` does not
+    /// clear it.
+    pub(crate) fn restart_group(&mut self, group: &str) {
+        *self.kafka_group_epochs.entry(group.to_owned()).or_default() += 1;
+        let members = self.live(|r| matches!(r, Role::Consumer { group: g } if g == group));
+        for index in members {
+            let keep = self.slots[index].keep;
+            self.stop(index, keep);
+        }
+        self.group_restarts += 1;
     }
 
     /// Whether the child in `index` has exited (and been reaped).

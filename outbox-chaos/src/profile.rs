@@ -54,7 +54,7 @@ impl Profile {
                 relays: 2,
                 group_a_members: 3,
                 poison_rounds: 2,
-                drain_timeout: Duration::from_secs(90),
+                drain_timeout: Duration::from_secs(150),
             },
             ProfileName::Long => Self {
                 name: "long",

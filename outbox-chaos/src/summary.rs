@@ -104,6 +104,9 @@ pub(crate) struct Summary {
     pub(crate) effects: u64,
     pub(crate) poison_injected: u64,
     pub(crate) poison_quarantined: u64,
+    /// Consumer groups restarted after stalling on the broker (not a violation; see
+    /// `Fleet::restart_group`).
+    pub(crate) group_restarts: u64,
     // Violations:
     pub(crate) lost: u64,
     pub(crate) double_effects: u64,
@@ -150,6 +153,7 @@ impl Summary {
             (&mut self.effects, o.effects),
             (&mut self.poison_injected, o.poison_injected),
             (&mut self.poison_quarantined, o.poison_quarantined),
+            (&mut self.group_restarts, o.group_restarts),
             (&mut self.lost, o.lost),
             (&mut self.double_effects, o.double_effects),
             (&mut self.order_violations, o.order_violations),
@@ -180,7 +184,7 @@ impl Summary {
         let _ = write!(
             s,
             " events_committed={} rolled_back={} published={} duplicates_delivered={} effects={} \
-             poison_quarantined={}/{} lost={} double_effects={} order_violations={} phantoms={} \
+             poison_quarantined={}/{} group_restarts={} lost={} double_effects={} order_violations={} phantoms={} \
              atomicity_violations={} pending={} outbox_quarantined={} poison_failures={} \
              unexpected_quarantines={} unexpected_exits={} drain_timeouts={}",
             self.events_committed,
@@ -190,6 +194,7 @@ impl Summary {
             self.effects,
             self.poison_quarantined,
             self.poison_injected,
+            self.group_restarts,
             self.lost,
             self.double_effects,
             self.order_violations,

@@ -63,9 +63,13 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool> {
     let mut total = Summary::default();
     for i in 0..runs {
         let run_seed = seed.wrapping_add(i);
-        let summary = run_one(&args, &profile, &tables, run_seed)
-            .await
-            .with_context(|| format!("run {} (seed {run_seed})", i + 1))?;
+        // Interrupted, the run is dropped: its broker and children are killed on the way out
+        // (children also stop on their own when this process goes away).
+        let summary = tokio::select! {
+            summary = run_one(&args, &profile, &tables, run_seed) => summary,
+            () = interrupted() => Err(anyhow::anyhow!("interrupted")),
+        }
+        .with_context(|| format!("run {} (seed {run_seed})", i + 1))?;
         tracing::info!(
             run = i + 1,
             "{}",
@@ -78,6 +82,16 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool> {
         total.line(profile.name, seed, started.elapsed().as_secs())
     );
     Ok(total.passed())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn interrupted() {
+    let mut terminate =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        Some(()) = async { terminate.as_mut()?.recv().await } => {}
+    }
 }
 
 async fn run_one(

@@ -15,6 +15,8 @@ pub(crate) struct Broker {
     dir: PathBuf,
     port: u16,
     child: Option<Child>,
+    /// Length of `tansu.log` when the current process started: what it wrote since is after.
+    log_start: u64,
 }
 
 /// The tansu binary: `TANSU_BIN`, else `$CARGO_HOME/bin/tansu`, else `~/.cargo/bin/tansu`,
@@ -56,6 +58,7 @@ impl Broker {
             dir: dir.to_owned(),
             port: free_port()?,
             child: None,
+            log_start: 0,
         };
         broker.spawn().await?;
         Ok(broker)
@@ -72,6 +75,7 @@ impl Broker {
             .create(true)
             .append(true)
             .open(self.dir.join("tansu.log"))?;
+        self.log_start = log.metadata()?.len();
         let child = Command::new(&self.bin)
             .args([
                 "broker",
@@ -131,6 +135,20 @@ impl Broker {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Ok(())
+    }
+
+    /// Whether the running broker's storage has died: tansu 0.6.0's sqlite storage task can
+    /// panic (`lite.rs`, an idempotent produce with an epoch it does not know, after
+    /// librdkafka bumped the epoch of a producer whose request timed out), after which the
+    /// process still accepts connections but answers every request with `UnableToSend`.
+    pub(crate) fn storage_dead(&self) -> Result<bool> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut log = File::open(self.dir.join("tansu.log"))?;
+        log.seek(SeekFrom::Start(self.log_start))?;
+        let mut text = Vec::new();
+        log.read_to_end(&mut text)?;
+        let text = String::from_utf8_lossy(&text);
+        Ok(text.contains("UnableToSend") || text.contains("tansu-storage-0.6.0/src/lite.rs"))
     }
 
     /// Kills the broker (`kill -9`: a crash, so no request is answered half shut down), keeps

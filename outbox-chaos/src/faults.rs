@@ -43,6 +43,21 @@ const MENU: [(Kind, u32); 6] = [
     (Kind::Rebalance, 3),
 ];
 
+/// Restarts the broker if its storage died (a tansu defect, see [`Broker::storage_dead`]) and
+/// recycles the relays, whose producers may carry an epoch the broker no longer knows.
+/// Counted in `broker_recoveries`, not as a fault.
+pub(crate) async fn heal_broker(broker: &mut Broker, fleet: &Mutex<Fleet>) -> Result<()> {
+    if !broker.storage_dead()? {
+        return Ok(());
+    }
+    tracing::warn!("broker storage died (tansu panic); restarting the broker and the relays");
+    broker.restart(Duration::ZERO).await?;
+    let mut f = lock(fleet);
+    f.recycle_relays();
+    f.broker_recoveries += 1;
+    Ok(())
+}
+
 impl<'a> Chaos<'a> {
     pub(crate) fn new(
         fleet: &'a Mutex<Fleet>,
@@ -87,21 +102,21 @@ impl<'a> Chaos<'a> {
             let gap = Duration::from_millis(self.rng.random_range(lo..=hi));
             tokio::time::sleep(gap.min(end.saturating_duration_since(Instant::now()))).await;
             lock(self.fleet).reap()?;
+            heal_broker(self.broker, self.fleet).await?;
             if poison_done < rounds && Instant::now() >= poison_due[poison_done as usize] {
-                let injected = crate::poison::inject(
-                    &self.db.pool,
-                    &self.broker.address(),
-                    self.topic,
-                    self.profile.partitions,
-                    poison_done,
-                )
-                .await?;
-                tracing::info!(
-                    round = poison_done,
-                    injected,
-                    "fault: malformed records injected"
-                );
-                poison_done += 1;
+                match self.inject_poison(poison_done).await {
+                    Ok(injected) => {
+                        tracing::info!(
+                            round = poison_done,
+                            injected,
+                            "fault: malformed records injected"
+                        );
+                        poison_done += 1;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "injecting malformed records failed; retrying")
+                    }
+                }
                 continue;
             }
             let kind = MENU
@@ -113,19 +128,31 @@ impl<'a> Chaos<'a> {
         }
         // Rounds the loop did not reach (a short phase): inject them now, so every run
         // checks every kind of malformed record.
+        let mut attempts = 0;
         while poison_done < rounds {
-            crate::poison::inject(
-                &self.db.pool,
-                &self.broker.address(),
-                self.topic,
-                self.profile.partitions,
-                poison_done,
-            )
-            .await?;
-            poison_done += 1;
+            heal_broker(self.broker, self.fleet).await?;
+            match self.inject_poison(poison_done).await {
+                Ok(_) => poison_done += 1,
+                Err(error) if attempts < 5 => {
+                    attempts += 1;
+                    tracing::warn!(%error, "injecting malformed records failed; retrying");
+                }
+                Err(error) => return Err(error),
+            }
         }
         tracing::info!(faults, elapsed = ?started.elapsed(), "fault phase over");
         Ok(())
+    }
+
+    async fn inject_poison(&self, round: u32) -> Result<usize> {
+        crate::poison::inject(
+            &self.db.pool,
+            &self.broker.address(),
+            self.topic,
+            self.profile.partitions,
+            round,
+        )
+        .await
     }
 
     fn pick(&mut self, filter: impl Fn(&Role) -> bool) -> Option<usize> {

@@ -46,6 +46,8 @@ pub(crate) enum Role {
 enum Expect {
     Killed,
     Stopped,
+    /// Killed to recover from a broker failure, not as a fault: not counted.
+    Recycled,
 }
 
 #[derive(Debug)]
@@ -89,6 +91,9 @@ pub(crate) struct Fleet {
     /// Consumer groups restarted because they stopped making progress (see
     /// [`Fleet::restart_group`]).
     pub(crate) group_restarts: u64,
+    /// Times the broker's storage died and the broker was restarted (see
+    /// `faults::heal_broker`).
+    pub(crate) broker_recoveries: u64,
     /// Per consumer group, how often it was re-formed under a new Kafka `group.id`.
     kafka_group_epochs: std::collections::HashMap<String, u32>,
 }
@@ -103,6 +108,7 @@ impl Fleet {
             counts: Counts::default(),
             unexpected: Vec::new(),
             group_restarts: 0,
+            broker_recoveries: 0,
             kafka_group_epochs: std::collections::HashMap::new(),
         }
     }
@@ -250,7 +256,7 @@ impl Fleet {
                 };
                 self.counts.add(kind, 1);
             }
-            (Some(Expect::Stopped), _, true) => {}
+            (Some(Expect::Stopped), _, true) | (Some(Expect::Recycled), Some(9), _) => {}
             _ => {
                 let what = format!(
                     "{label} exited unexpectedly ({status}); see {}",
@@ -290,6 +296,21 @@ impl Fleet {
             child.kill()?;
         }
         Ok(())
+    }
+
+    /// `kill -9` of every live relay, not counted as a fault: after tansu lost its storage, a
+    /// relay's producer may be stuck with an epoch the restarted broker does not know (and
+    /// that panics it again); a new process starts with a new producer id.
+    pub(crate) fn recycle_relays(&mut self) {
+        for index in self.live(|r| matches!(r, Role::Relay { .. })) {
+            let slot = &mut self.slots[index];
+            if let Some(child) = slot.child.as_mut() {
+                if slot.expect.is_none() {
+                    slot.expect = Some(Expect::Recycled);
+                }
+                let _ = child.kill();
+            }
+        }
     }
 
     /// SIGTERM: a graceful stop; `keep` says whether to start it again once it has exited.

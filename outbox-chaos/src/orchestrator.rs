@@ -142,6 +142,7 @@ async fn run_one(
     let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
     let drained = wait_drained(
         &fleet,
+        &mut broker,
         &db.pool,
         tables,
         &topic,
@@ -156,6 +157,7 @@ async fn run_one(
         lock(&fleet).kill_remaining();
     }
 
+    crate::faults::heal_broker(&mut broker, &fleet).await?;
     let mut summary = checker::check(&Target {
         pool: &db.pool,
         tables,
@@ -170,6 +172,7 @@ async fn run_one(
         summary.counts = f.counts.clone();
         summary.unexpected_exits = u64::try_from(f.unexpected.len())?;
         summary.group_restarts = f.group_restarts;
+        summary.broker_recoveries = f.broker_recoveries;
     }
     summary.drain_timeouts = u64::from(!drained);
     broker.stop().await?;
@@ -232,6 +235,7 @@ const GROUP_REFORM_GRACE: Duration = Duration::from_secs(60);
 /// (`group_restarts`) rather than hidden; anything lost or doubled still shows in the check.
 async fn wait_drained(
     fleet: &Mutex<Fleet>,
+    broker: &mut Broker,
     pool: &PgPool,
     tables: &TableNames,
     topic: &str,
@@ -263,6 +267,9 @@ async fn wait_drained(
     let mut progress_at: std::collections::HashMap<String, ((i64, i64), Instant)> =
         std::collections::HashMap::new();
     loop {
+        if let Err(error) = crate::faults::heal_broker(broker, fleet).await {
+            tracing::warn!(%error, "cannot restart the broker; retrying");
+        }
         let progress = async {
             let (pending, committed, poison): (i64, i64, i64) =
                 sqlx::query_as(AssertSqlSafe(pending_sql.clone()))

@@ -5,19 +5,9 @@
 use anyhow::Result;
 use outbox_core::{EventId, wire};
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use crate::children::EVENT_TYPE;
 use crate::kafka::{plain_producer, produce_raw};
-
-/// One injected record and the quarantine reason it must get.
-#[derive(Debug, Clone)]
-struct Poison {
-    event_id: Option<Uuid>,
-    partition: i32,
-    offset: i64,
-    reason: &'static str,
-}
 
 /// What the `id` header of a malformed record carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,7 +85,7 @@ pub(crate) async fn inject(
             payload: &good_payload,
         },
     ];
-    let mut injected = Vec::new();
+    let mut injected = 0;
     let count = kinds.len();
     for (i, kind) in kinds.into_iter().enumerate() {
         let partition = i32::try_from((round as usize * count + i) % partitions as usize)?;
@@ -118,23 +108,17 @@ pub(crate) async fn inject(
             &headers,
         )
         .await?;
-        injected.push(Poison {
-            event_id: id,
-            partition,
-            offset,
-            reason: kind.reason,
-        });
-    }
-    for p in &injected {
+        // Recorded at once: if the broker fails half-way, what was injected is still known.
         sqlx::query(
             "INSERT INTO chaos_poison (event_id, partition, kafka_offset, expected_reason) VALUES ($1, $2, $3, $4)",
         )
-        .bind(p.event_id)
-        .bind(p.partition)
-        .bind(p.offset)
-        .bind(p.reason)
+        .bind(id)
+        .bind(partition)
+        .bind(offset)
+        .bind(kind.reason)
         .execute(pool)
         .await?;
+        injected += 1;
     }
-    Ok(injected.len())
+    Ok(injected)
 }

@@ -107,6 +107,8 @@ pub(crate) struct Summary {
     /// Consumer groups restarted after stalling on the broker (not a violation; see
     /// `Fleet::restart_group`).
     pub(crate) group_restarts: u64,
+    /// Broker restarts after its storage died (not a violation; see `faults::heal_broker`).
+    pub(crate) broker_recoveries: u64,
     // Violations:
     pub(crate) lost: u64,
     pub(crate) double_effects: u64,
@@ -154,6 +156,7 @@ impl Summary {
             (&mut self.poison_injected, o.poison_injected),
             (&mut self.poison_quarantined, o.poison_quarantined),
             (&mut self.group_restarts, o.group_restarts),
+            (&mut self.broker_recoveries, o.broker_recoveries),
             (&mut self.lost, o.lost),
             (&mut self.double_effects, o.double_effects),
             (&mut self.order_violations, o.order_violations),
@@ -184,7 +187,7 @@ impl Summary {
         let _ = write!(
             s,
             " events_committed={} rolled_back={} published={} duplicates_delivered={} effects={} \
-             poison_quarantined={}/{} group_restarts={} lost={} double_effects={} order_violations={} phantoms={} \
+             poison_quarantined={}/{} group_restarts={} broker_recoveries={} lost={} double_effects={} order_violations={} phantoms={} \
              atomicity_violations={} pending={} outbox_quarantined={} poison_failures={} \
              unexpected_quarantines={} unexpected_exits={} drain_timeouts={}",
             self.events_committed,
@@ -195,6 +198,7 @@ impl Summary {
             self.poison_quarantined,
             self.poison_injected,
             self.group_restarts,
+            self.broker_recoveries,
             self.lost,
             self.double_effects,
             self.order_violations,

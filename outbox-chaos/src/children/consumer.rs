@@ -46,6 +46,9 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         .on_handler_failure(HandlerFailurePolicy::Block)
         .backoff(Duration::from_millis(20), Duration::from_secs(1))
         .max_concurrent_partitions(partitions);
+    // Checking the checker: `CHAOS_SABOTAGE=double-effect` makes this handler write a second
+    // effect for about one event in 256, a bug the run must then report as double effects.
+    let sabotage = std::env::var("CHAOS_SABOTAGE").is_ok_and(|v| v == "double-effect");
     let group: Arc<str> = args.group.as_str().into();
     let member: Arc<str> = args.common.label.as_str().into();
     let consumer = DedupConsumer::new(pool, config, move |event: &Event<ChaosPayload>, tx| {
@@ -54,7 +57,13 @@ pub(crate) async fn run(args: Args) -> Result<()> {
             // A short random pause, so that kills land inside handlers.
             let pause = Duration::from_micros(rand::rng().random_range(0..=3000));
             tokio::time::sleep(pause).await;
-            sqlx::query(
+            let times = if sabotage && event.id.as_uuid().as_bytes()[15] == 0 {
+                2
+            } else {
+                1
+            };
+            for _ in 0..times {
+                sqlx::query(
                     "INSERT INTO chaos_effects (consumer, member, event_id, key, version, partition, kafka_offset) \
                      VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 )
@@ -67,6 +76,7 @@ pub(crate) async fn run(args: Args) -> Result<()> {
                 .bind(event.offset)
                 .execute(&mut **tx)
                 .await?;
+            }
             Ok(())
         })
     })?;

@@ -29,7 +29,7 @@
 //!
 //! ```text
 //! outbox-chaos run --profile ci            # ≈2–3 minutes (the test suite runs this)
-//! outbox-chaos run --profile long --seed 7 # ≈15–20 minutes
+//! outbox-chaos run --profile long --seed 7 # ≈20 minutes (five runs)
 //! ```
 //! The child roles (`producer`, `relay`, `consumer`) are internal: the orchestrator spawns
 //! them from its own executable.

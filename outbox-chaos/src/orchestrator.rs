@@ -25,7 +25,7 @@ const GROUP_B: &str = "chaos-b";
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
-    /// `ci` (≈2–3 min, the test suite's) or `long` (≈15–20 min).
+    /// `ci` (≈2–3 min, the test suite's) or `long` (≈20 min, five runs).
     #[arg(long, value_enum, default_value = "ci")]
     profile: ProfileName,
     /// Seed of every random choice (fault kinds and timing, workload); random if absent.

@@ -176,7 +176,8 @@ async fn run_one(
     }
     summary.drain_timeouts = u64::from(!drained);
     broker.stop().await?;
-    finish(summary.passed() && !args.keep, db, &dir).await?;
+    let worked_around = summary.group_restarts + summary.broker_recoveries > 0;
+    finish(summary.passed() && !args.keep, worked_around, db, &dir).await?;
     Ok(summary)
 }
 
@@ -331,11 +332,17 @@ async fn wait_drained(
     }
 }
 
-/// Drops the database and the run directory after a passing run; keeps both otherwise.
-async fn finish(clean: bool, db: ChaosDb, dir: &Path) -> Result<()> {
+/// Drops the database and the run directory after a passing run; keeps both otherwise. When
+/// a broker workaround fired (`worked_around`), a passing run still keeps its directory, so
+/// the broker's and the children's logs can be looked at.
+async fn finish(clean: bool, worked_around: bool, db: ChaosDb, dir: &Path) -> Result<()> {
     if clean {
         db.drop_database().await?;
-        std::fs::remove_dir_all(dir)?;
+        if worked_around {
+            tracing::warn!(dir = %dir.display(), "a broker workaround fired; logs kept (dir/tansu.log, dir/logs)");
+        } else {
+            std::fs::remove_dir_all(dir)?;
+        }
     } else {
         tracing::warn!(database = %db.name, dir = %dir.display(), "kept for inspection (child logs in dir/logs)");
     }

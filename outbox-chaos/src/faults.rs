@@ -170,6 +170,12 @@ impl<'a> Chaos<'a> {
             .copied()
     }
 
+    /// A member of a group (see [`Self::pick_joined_consumer`] for why joined).
+    fn pick_joined_member(&mut self, filter: &impl Fn(&Role) -> bool) -> Option<usize> {
+        let members = lock(self.fleet).live_for(CONSUMER_MIN_AGE, filter);
+        members.choose(&mut self.rng).copied()
+    }
+
     async fn inject(&mut self, kind: Kind) -> Result<()> {
         match kind {
             Kind::RelayKill => {
@@ -222,7 +228,7 @@ impl<'a> Chaos<'a> {
             tokio::time::sleep(stay).await;
             tracing::info!(%label, "fault: rebalance, member leaves");
             lock(self.fleet).stop(index, false);
-        } else if let Some(i) = self.pick(in_group) {
+        } else if let Some(i) = self.pick_joined_member(&in_group) {
             let mut fleet = lock(self.fleet);
             tracing::info!(
                 label = fleet.label(i),

@@ -256,7 +256,11 @@ impl Fleet {
                 };
                 self.counts.add(kind, 1);
             }
-            (Some(Expect::Stopped), _, true) | (Some(Expect::Recycled), Some(9), _) => {}
+            // Asked to stop: a clean exit, or SIGTERM's default action when it arrived before
+            // the freshly started process had installed its handler.
+            (Some(Expect::Stopped), _, true)
+            | (Some(Expect::Stopped), Some(15), _)
+            | (Some(Expect::Recycled), Some(9), _) => {}
             _ => {
                 let what = format!(
                     "{label} exited unexpectedly ({status}); see {}",

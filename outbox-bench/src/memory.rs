@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use outbox_consumer::{ConsumerConfig, DedupConsumer, consumer_config};
-use outbox_producer::{Relay, RelayConfig, producer_config};
 use outbox_tests::{TestDb, database_url, eventually, kafka_bootstrap, random_topic, unique};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use sqlx::PgPool;
@@ -111,14 +110,14 @@ pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
         .await?;
     match role {
         Role::Idle => {
-            let _relay = relay(&pool, settings)?;
+            let _relay = p2_relay::relay(&pool, settings)?;
             let stream: StreamConsumer =
                 consumer_config(&kafka_bootstrap(), &unique("idle")).create()?;
             stream.subscribe(&[topic])?;
             stream.fetch_metadata(Some(topic), Duration::from_secs(10))?;
         }
         Role::Relay => {
-            let relay = relay(&pool, settings)?;
+            let relay = p2_relay::relay(&pool, settings)?;
             let mut published = 0;
             loop {
                 let report = relay.run_once().await?;
@@ -140,14 +139,6 @@ pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
         crate::peak_rss_kib().context("no /proc/self/status")?
     );
     Ok(())
-}
-
-fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
-    Ok(Relay::new(
-        pool.clone(),
-        &producer_config(&kafka_bootstrap()),
-        RelayConfig::default().batch_size(settings.batch_size),
-    )?)
 }
 
 async fn consume_all(pool: &PgPool, topic: &str, events: usize) -> Result<()> {

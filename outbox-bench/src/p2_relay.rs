@@ -39,7 +39,7 @@ pub(crate) async fn fill(pool: &PgPool, topic: &str, events: usize) -> Result<()
     Ok(())
 }
 
-fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
+pub(crate) fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
     Ok(Relay::new(
         pool.clone(),
         &producer_config(&kafka_bootstrap()),

@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use outbox_consumer::{ConsumerConfig, DedupConsumer, consumer_config};
+use outbox_consumer::{ConsumerConfig, DedupConsumer, consumer_config, stream_consumer};
 use outbox_tests::{TestDb, database_url, eventually, kafka_bootstrap, random_topic, unique};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use sqlx::PgPool;
@@ -110,14 +110,14 @@ pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
         .await?;
     match role {
         Role::Idle => {
-            let _relay = p2_relay::relay(&pool, settings)?;
+            let _relay = p2_relay::relay(&pool, settings, true)?;
             let stream: StreamConsumer =
                 consumer_config(&kafka_bootstrap(), &unique("idle")).create()?;
             stream.subscribe(&[topic])?;
             stream.fetch_metadata(Some(topic), Duration::from_secs(10))?;
         }
         Role::Relay => {
-            let relay = p2_relay::relay(&pool, settings)?;
+            let relay = p2_relay::relay(&pool, settings, true)?;
             let mut published = 0;
             loop {
                 let report = relay.run_once().await?;
@@ -147,7 +147,7 @@ async fn consume_all(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
         ConsumerConfig::new(unique("mem")),
         p4_consumer::effect as p4_consumer::Handler,
     )?;
-    let stream: StreamConsumer = consumer_config(&kafka_bootstrap(), &unique("mem")).create()?;
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("mem")))?;
     stream.subscribe(&[topic])?;
     let shutdown = CancellationToken::new();
     let running = tokio::spawn({

@@ -39,10 +39,21 @@ pub(crate) async fn fill(pool: &PgPool, topic: &str, events: usize) -> Result<()
     Ok(())
 }
 
-pub(crate) fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
+/// The relay under test. `single_record_batches` when a `dedup_consume` consumer will read
+/// the topic from behind: it pauses and resumes partitions, and tansu's memory storage answers
+/// a fetch from inside a record batch with the next batch, skipping the rest of this one.
+pub(crate) fn relay(
+    pool: &PgPool,
+    settings: &Settings,
+    single_record_batches: bool,
+) -> Result<Relay> {
+    let mut kafka = producer_config(&kafka_bootstrap());
+    if single_record_batches {
+        kafka.set("batch.num.messages", "1");
+    }
     Ok(Relay::new(
         pool.clone(),
-        &producer_config(&kafka_bootstrap()),
+        &kafka,
         RelayConfig::default().batch_size(settings.batch_size),
     )?)
 }
@@ -127,7 +138,10 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         .execute(&grown.pool)
         .await?;
 
-    let (relay_empty, relay_grown) = (relay(&empty.pool, settings)?, relay(&grown.pool, settings)?);
+    let (relay_empty, relay_grown) = (
+        relay(&empty.pool, settings, false)?,
+        relay(&grown.pool, settings, false)?,
+    );
     let (mut relayed, mut produced, mut sql_only, mut relayed_grown) = (
         Sample::default(),
         Sample::default(),

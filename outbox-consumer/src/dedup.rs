@@ -78,6 +78,9 @@ pub struct ConsumerStats {
     pub handler_errors: u64,
     /// Database transactions begun.
     pub transactions: u64,
+    /// Queued messages dropped because their partition was revoked from this member before
+    /// they were handled (the partition's next owner reads them again).
+    pub revoked_skipped: u64,
 }
 
 #[derive(Debug, Default)]
@@ -88,6 +91,7 @@ struct Counters {
     quarantined: AtomicU64,
     handler_errors: AtomicU64,
     transactions: AtomicU64,
+    revoked_skipped: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -155,6 +159,15 @@ pub(crate) struct Inner<P, H> {
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
 }
 
+impl<P, H> Inner<P, H> {
+    /// Counts a queued message dropped because its partition was revoked.
+    pub(crate) fn note_revoked_skip(&self) {
+        bump(&self.counters.revoked_skipped);
+        metrics::counter!("outbox_consumer_revoked_skipped_total", "consumer" => self.name.clone())
+            .increment(1);
+    }
+}
+
 impl<P, H> DedupConsumer<P, H>
 where
     P: DeserializeOwned + Send + Sync + 'static,
@@ -219,6 +232,7 @@ where
             quarantined: get(&c.quarantined),
             handler_errors: get(&c.handler_errors),
             transactions: get(&c.transactions),
+            revoked_skipped: get(&c.revoked_skipped),
         }
     }
 

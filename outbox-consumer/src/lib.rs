@@ -27,9 +27,11 @@
 //! - `prometheus`: `serve_metrics` serves the metrics on an HTTP endpoint.
 //! - `fault-injection`: crash hooks for tests; never in production.
 //!
-//! Handlers run beside the Kafka poll loop, so a slow handler does not stop polling; but once
-//! a partition has 256 messages queued the loop waits for it, and a handler stuck for longer
-//! than `max.poll.interval.ms` costs the member its partitions. Bound handler time.
+//! Handlers run beside the Kafka poll loop, so a slow handler never stops polling: once a
+//! partition has 256 messages queued its fetch is paused until the handler catches up, and
+//! the member keeps its partitions however long a handler (or a database outage) takes.
+//! Messages queued for a partition that a rebalance takes away are dropped, not handled: the
+//! partition's new owner reads them from the committed offset.
 //!
 //! ```no_run
 //! # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
@@ -48,16 +50,19 @@
 //! # }
 //! ```
 
+mod assignment;
 mod config;
 mod dedup;
 mod error;
 mod event;
+mod partition_queue;
 mod prune;
 pub mod quarantine;
 mod runner;
 mod span;
 mod sql;
 
+pub use assignment::{DedupContext, stream_consumer};
 pub use config::{ConsumerConfig, HandlerFailurePolicy};
 pub use dedup::{ConsumerStats, DedupConsumer, Handler, HandlerError, HandlerFuture, Outcome};
 pub use error::ConsumerError;

@@ -5,20 +5,19 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::assignment::{DedupContext, stream_consumer};
 use crate::dedup::{Handler, Outcome};
+use crate::partition_queue::{PartitionReceiver, PartitionSender, Queued, partition_queue};
 use crate::{ConsumerConfig, ConsumerError, DedupConsumer};
-
-/// Messages buffered per partition before the poll loop waits.
-const PARTITION_QUEUE: usize = 256;
 
 /// Settings the consumer's guarantees rest on, applied over the caller's.
 const REQUIRED: &[(&str, &str)] = &[
@@ -40,7 +39,7 @@ pub fn consumer_config(bootstrap_servers: &str, group_id: &str) -> ClientConfig 
     config
 }
 
-fn enforce_required(config: &mut ClientConfig) {
+pub(crate) fn enforce_required(config: &mut ClientConfig) {
     for (key, value) in REQUIRED {
         if config.get(key).is_some_and(|v| v != *value) {
             tracing::warn!(
@@ -68,13 +67,11 @@ where
     P: DeserializeOwned + Send + Sync + 'static,
     H: Handler<P>,
 {
-    let mut kafka = kafka.clone();
-    enforce_required(&mut kafka);
     if config.name.is_none() {
         config.name = kafka.get("group.id").map(str::to_owned);
     }
     let consumer = DedupConsumer::new(pool, config, handler)?;
-    let stream: StreamConsumer = kafka.create()?;
+    let stream = stream_consumer(kafka)?;
     stream.subscribe(topics)?;
     consumer.run(stream, shutdown).await
 }
@@ -86,28 +83,34 @@ where
 {
     /// Receives one message from `consumer`, handles it and stores its offset. For tests and
     /// hand-driven loops; `consumer` must have `enable.auto.offset.store=false`.
-    pub async fn run_once(&self, consumer: &StreamConsumer) -> Result<Outcome, ConsumerError> {
+    pub async fn run_once<C: ConsumerContext + 'static>(
+        &self,
+        consumer: &StreamConsumer<C>,
+    ) -> Result<Outcome, ConsumerError> {
         let message = consumer.recv().await?.detach();
         let outcome = self.process(&message, &CancellationToken::new()).await?;
         store_offset(consumer, &message);
         Ok(outcome)
     }
 
-    /// Consumes until `shutdown` is cancelled. `consumer` must be subscribed (or assigned)
-    /// and configured with `enable.auto.offset.store=false` (see [`consumer_config`]).
+    /// Consumes until `shutdown` is cancelled. `consumer` comes from [`stream_consumer`]
+    /// and must be subscribed (or assigned).
     ///
     /// Partitions are handled concurrently (up to `max_concurrent_partitions`), each in
-    /// order. On shutdown, messages being handled finish, queued ones are left for
-    /// redelivery, stored offsets are committed within `shutdown_timeout`, and the client is
-    /// closed off the async runtime, so a dead broker cannot hang the caller.
+    /// order. A partition with many messages queued has its fetch paused rather than the poll
+    /// loop blocked, and messages of a partition revoked from this member are dropped from
+    /// its queue (the partition's next owner reads them from the committed offset). On
+    /// shutdown, messages being handled finish, queued ones are left for redelivery, stored
+    /// offsets are committed within `shutdown_timeout`, and the client is closed off the
+    /// async runtime, so a dead broker cannot hang the caller.
     pub async fn run(
         &self,
-        consumer: StreamConsumer,
+        consumer: StreamConsumer<DedupContext>,
         shutdown: CancellationToken,
     ) -> Result<(), ConsumerError> {
         let consumer = Arc::new(consumer);
         let permits = Arc::new(Semaphore::new(self.inner.config.max_concurrent_partitions));
-        let mut queues: HashMap<(String, i32), mpsc::Sender<OwnedMessage>> = HashMap::new();
+        let mut queues: HashMap<(String, i32), PartitionSender> = HashMap::new();
         let mut workers = JoinSet::new();
         let result = loop {
             let received = tokio::select! {
@@ -126,10 +129,13 @@ where
                     continue;
                 }
             };
+            let epoch = consumer
+                .context()
+                .epoch(message.topic(), message.partition());
             let queue = queues
                 .entry((message.topic().to_owned(), message.partition()))
                 .or_insert_with(|| {
-                    let (tx, rx) = mpsc::channel(PARTITION_QUEUE);
+                    let (tx, rx) = partition_queue(message.topic(), message.partition());
                     workers.spawn(self.clone().partition_worker(
                         Arc::clone(&consumer),
                         rx,
@@ -138,12 +144,8 @@ where
                     ));
                     tx
                 });
-            tokio::select! {
-                () = shutdown.cancelled() => break Ok(()),
-                sent = queue.send(message) => if sent.is_err() {
-                    continue; // the worker stopped; join_next reports why
-                },
-            }
+            // An `Err` means the worker stopped; join_next reports why.
+            let _ = queue.push(&consumer, Queued { message, epoch });
         };
         drop(queues);
         let mut result = result;
@@ -158,15 +160,26 @@ where
 
     async fn partition_worker(
         self,
-        consumer: Arc<StreamConsumer>,
-        mut queue: mpsc::Receiver<OwnedMessage>,
+        consumer: Arc<StreamConsumer<DedupContext>>,
+        mut queue: PartitionReceiver,
         permits: Arc<Semaphore>,
         shutdown: CancellationToken,
     ) -> Result<(), ConsumerError> {
         let config = &self.inner.config;
-        while let Some(message) = queue.recv().await {
+        let current = |message: &OwnedMessage| {
+            consumer
+                .context()
+                .epoch(message.topic(), message.partition())
+        };
+        while let Some(Queued { message, epoch }) = queue.next(&consumer).await {
             if shutdown.is_cancelled() {
                 return Ok(());
+            }
+            if epoch != current(&message) {
+                // Fetched before the partition was revoked: whoever owns it now reads it
+                // again from the committed offset.
+                self.inner.note_revoked_skip();
+                continue;
             }
             let _permit = permits
                 .acquire()
@@ -207,12 +220,16 @@ where
                     "crash after commit, before storing the offset",
                 ));
             }
-            store_offset(&consumer, &message);
+            // Revoked while it was handled: storing now could move a newer owner's (or a
+            // re-fetch's) committed offset backwards. Its redelivery is a duplicate.
+            if epoch == current(&message) {
+                store_offset(&consumer, &message);
+            }
         }
         Ok(())
     }
 
-    async fn close(&self, consumer: Arc<StreamConsumer>) {
+    async fn close(&self, consumer: Arc<StreamConsumer<DedupContext>>) {
         let timeout = self.inner.config.shutdown_timeout;
         // Committing and dropping can block on an unreachable broker: do both on a blocking
         // thread and stop waiting after `timeout`.
@@ -234,7 +251,7 @@ where
     }
 }
 
-fn store_offset(consumer: &StreamConsumer, message: &OwnedMessage) {
+fn store_offset<C: ConsumerContext>(consumer: &StreamConsumer<C>, message: &OwnedMessage) {
     if let Err(error) =
         consumer.store_offset(message.topic(), message.partition(), message.offset())
     {

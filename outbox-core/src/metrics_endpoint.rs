@@ -66,6 +66,10 @@ fn describe() {
         "outbox_consumer_quarantined_total",
         "Messages the consumer quarantined"
     );
+    describe_counter!(
+        "outbox_consumer_revoked_skipped_total",
+        "Queued messages dropped because a rebalance revoked their partition"
+    );
     describe_histogram!(
         "outbox_consumer_message_seconds",
         Unit::Seconds,

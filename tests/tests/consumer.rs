@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_consumer::{
-    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFailurePolicy, HandlerFuture,
-    Outcome, consumer_config,
+    ConsumerConfig, ConsumerError, DedupConsumer, DedupContext, Event, HandlerFailurePolicy,
+    HandlerFuture, Outcome, consumer_config, stream_consumer,
 };
 use outbox_core::EventId;
 use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
@@ -72,12 +72,12 @@ fn consumer(db: &TestDb, config: ConsumerConfig) -> Result<DedupConsumer<Order, 
     )?)
 }
 
-fn stream(topic: &str, group: &str) -> Result<StreamConsumer> {
+fn stream(topic: &str, group: &str) -> Result<StreamConsumer<DedupContext>> {
     let mut config = consumer_config(&kafka_bootstrap(), group);
     config
         .set("session.timeout.ms", "6000")
         .set("auto.commit.interval.ms", "200");
-    let consumer: StreamConsumer = config.create()?;
+    let consumer = stream_consumer(&config)?;
     consumer.subscribe(&[topic])?;
     Ok(consumer)
 }

@@ -4,9 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use outbox_consumer::{ConsumerConfig, ConsumerError, DedupConsumer, Event, consumer_config};
+use outbox_consumer::{
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, consumer_config, stream_consumer,
+};
 use outbox_producer::{NewEvent, Outbox, ProducerError, Relay, RelayConfig, producer_config};
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::Consumer;
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 
@@ -48,11 +50,12 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
     if crash.is_armed(CrashPoint::AfterHandlerCommit) {
         consumer.crash_after_next_commit();
     }
-    let stream: StreamConsumer = consumer_config(&config.brokers, &config.group)
-        // A crashed worker's membership must expire quickly for the restart to take over.
-        .set("session.timeout.ms", "6000")
-        .set("heartbeat.interval.ms", "1000")
-        .create()?;
+    let stream = stream_consumer(
+        consumer_config(&config.brokers, &config.group)
+            // A crashed worker's membership must expire quickly for the restart to take over.
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "1000"),
+    )?;
     stream.subscribe(&[config.topic.as_str()])?;
 
     let shutdown = CancellationToken::new();

@@ -10,9 +10,10 @@ use std::time::Duration;
 use anyhow::Result;
 use outbox_consumer::{
     ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFailurePolicy, consumer_config,
+    stream_consumer,
 };
 use rand::Rng;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::Consumer;
 
 use super::{ChaosPayload, Common, EVENT_TYPE, EXIT_CONSUMER_AFTER_COMMIT, crash};
 
@@ -95,7 +96,7 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         // librdkafka debug contexts (`cgrp`, `consumer`, ...), for diagnosing a stuck group.
         kafka.set("debug", debug);
     }
-    let stream: StreamConsumer = kafka.create()?;
+    let stream = stream_consumer(&kafka)?;
     stream.subscribe(&[args.common.topic.as_str()])?;
     let shutdown = super::shutdown_token();
     if let Some(ms) = args.crash_after_commit_ms {

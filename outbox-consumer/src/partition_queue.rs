@@ -1,0 +1,129 @@
+//! The queue between the poll loop and one partition's worker. The poll loop never waits on
+//! it: once [`HIGH`] messages are queued it pauses the partition's fetch instead, and the
+//! worker resumes the fetch when the queue is down to [`LOW`]. So polling (heartbeats,
+//! rebalances, other partitions) goes on however slow one partition's handler is.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rdkafka::TopicPartitionList;
+use rdkafka::consumer::{Consumer, ConsumerContext, StreamConsumer};
+use rdkafka::message::OwnedMessage;
+use tokio::sync::mpsc;
+
+/// Queued messages at which the partition's fetch is paused.
+pub(crate) const HIGH: usize = 256;
+/// Queued messages at which a paused fetch resumes.
+pub(crate) const LOW: usize = 64;
+
+/// A message and the revocation count of its partition when it was received.
+#[derive(Debug)]
+pub(crate) struct Queued {
+    pub(crate) message: OwnedMessage,
+    pub(crate) epoch: u64,
+}
+
+#[derive(Debug)]
+struct Flow {
+    topic: String,
+    partition: i32,
+    len: AtomicUsize,
+    /// Whether we paused the fetch. Pausing and resuming happen under this lock, each after
+    /// re-reading `len`, so a pause can never outlive the messages that caused it.
+    paused: Mutex<bool>,
+}
+
+impl Flow {
+    fn set_paused<C: ConsumerContext>(&self, consumer: &StreamConsumer<C>, pause: bool) {
+        let mut partitions = TopicPartitionList::new();
+        partitions.add_partition(&self.topic, self.partition);
+        let result = if pause {
+            consumer.pause(&partitions)
+        } else {
+            consumer.resume(&partitions)
+        };
+        if let Err(error) = result {
+            // The partition was revoked meanwhile; its next assignment starts unpaused.
+            tracing::debug!(%error, topic = %self.topic, partition = self.partition, pause,
+                "could not pause or resume a partition");
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.paused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The poll loop's end.
+#[derive(Debug)]
+pub(crate) struct PartitionSender {
+    tx: mpsc::UnboundedSender<Queued>,
+    flow: Arc<Flow>,
+}
+
+/// The worker's end.
+#[derive(Debug)]
+pub(crate) struct PartitionReceiver {
+    rx: mpsc::UnboundedReceiver<Queued>,
+    flow: Arc<Flow>,
+}
+
+pub(crate) fn partition_queue(topic: &str, partition: i32) -> (PartitionSender, PartitionReceiver) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let flow = Arc::new(Flow {
+        topic: topic.to_owned(),
+        partition,
+        len: AtomicUsize::new(0),
+        paused: Mutex::new(false),
+    });
+    (
+        PartitionSender {
+            tx,
+            flow: Arc::clone(&flow),
+        },
+        PartitionReceiver { rx, flow },
+    )
+}
+
+impl PartitionSender {
+    /// Queues `item` without waiting; `Err` gives it back when the worker has stopped.
+    pub(crate) fn push<C: ConsumerContext>(
+        &self,
+        consumer: &StreamConsumer<C>,
+        item: Queued,
+    ) -> Result<(), Queued> {
+        self.tx.send(item).map_err(|e| e.0)?;
+        let len = self.flow.len.fetch_add(1, Ordering::SeqCst) + 1;
+        if len >= HIGH {
+            let mut paused = self.flow.lock();
+            // Also re-pause at every further HIGH messages: a revoked and re-assigned
+            // partition starts unpaused while our flag may still say paused.
+            let len = self.flow.len.load(Ordering::SeqCst);
+            if len >= HIGH && (!*paused || len.is_multiple_of(HIGH)) {
+                self.flow.set_paused(consumer, true);
+                *paused = true;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PartitionReceiver {
+    /// The next message, resuming the partition's fetch when the queue has drained enough.
+    /// `None` once the poll loop has dropped its end and the queue is empty.
+    pub(crate) async fn next<C: ConsumerContext>(
+        &mut self,
+        consumer: &StreamConsumer<C>,
+    ) -> Option<Queued> {
+        let item = self.rx.recv().await?;
+        let len = self.flow.len.fetch_sub(1, Ordering::SeqCst) - 1;
+        if len <= LOW {
+            let mut paused = self.flow.lock();
+            if *paused && self.flow.len.load(Ordering::SeqCst) <= LOW {
+                self.flow.set_paused(consumer, false);
+                *paused = false;
+            }
+        }
+        Some(item)
+    }
+}

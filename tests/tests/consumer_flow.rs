@@ -1,0 +1,239 @@
+//! How the consumer's poll loop copes with slow partitions and rebalances: real Postgres,
+//! real tansu broker.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_consumer::{ConsumerConfig, DedupConsumer, Event, consumer_config, stream_consumer};
+use outbox_core::EventId;
+use outbox_tests::{TestDb, eventually, kafka_bootstrap, random_topic, unique};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::Consumer;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::Deserialize;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+#[derive(Debug, Deserialize)]
+struct Order {
+    n: i64,
+}
+
+/// Sends `count` events with key `key` to `partition`, all in flight at once.
+async fn send_many(topic: &str, partition: i32, key: &str, count: i64) -> Result<()> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .set("linger.ms", "5")
+        // One record per batch: tansu's memory storage answers a fetch from inside a batch
+        // with the next batch (or nothing), and a resumed partition fetches from mid-batch.
+        .set("batch.num.messages", "1")
+        .create()?;
+    let sends = (0..count).map(|n| {
+        let id = EventId::new().to_string();
+        let payload = format!(r#"{{"n":{n}}}"#);
+        let producer = &producer;
+        async move {
+            let headers = OwnedHeaders::new()
+                .insert(Header {
+                    key: "id",
+                    value: Some(id.as_bytes()),
+                })
+                .insert(Header {
+                    key: "type",
+                    value: Some(b"OrderPlaced".as_slice()),
+                });
+            producer
+                .send(
+                    FutureRecord::to(topic)
+                        .partition(partition)
+                        .key(key)
+                        .payload(&payload)
+                        .headers(headers),
+                    Duration::from_secs(30),
+                )
+                .await
+                .map_err(|(e, _)| e)
+        }
+    });
+    futures::future::try_join_all(sends).await?;
+    Ok(())
+}
+
+/// A pool whose connections carry `application_name`, so a test can find its own backends.
+async fn pool_named(db: &TestDb, name: &str) -> Result<PgPool> {
+    let options = (*db.pool.connect_options()).clone().application_name(name);
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await?)
+}
+
+async fn effects_table(pool: &PgPool) -> Result<()> {
+    // No unique constraint: a double effect shows as a second row.
+    sqlx::query("CREATE TABLE effects (event_id UUID, key TEXT, n BIGINT)")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// (rows, distinct event ids) of `key`'s effects, or of all when `key` is `None`.
+async fn effects(pool: &PgPool, key: Option<&str>) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), count(DISTINCT event_id) FROM effects WHERE $1::text IS NULL OR key = $1",
+    )
+    .bind(key)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// A consumer recording each event's effect after waiting for `gate` when `blocks` says so.
+fn gated_consumer(
+    pool: PgPool,
+    blocks: fn(&Event<Order>) -> bool,
+    gate: CancellationToken,
+) -> Result<DedupConsumer<Order, impl outbox_consumer::Handler<Order>>> {
+    Ok(DedupConsumer::new(
+        pool,
+        ConsumerConfig::new("c1"),
+        move |event: &Event<Order>, tx| {
+            let (gate, blocked) = (gate.clone(), blocks(event));
+            Box::pin(async move {
+                if blocked {
+                    gate.cancelled().await;
+                }
+                sqlx::query("INSERT INTO effects (event_id, key, n) VALUES ($1, $2, $3)")
+                    .bind(event.id)
+                    .bind(&event.key)
+                    .bind(event.payload.n)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    )?)
+}
+
+fn spawn<H: outbox_consumer::Handler<Order>>(
+    consumer: &DedupConsumer<Order, H>,
+    topic: &str,
+    group: &str,
+    shutdown: &CancellationToken,
+) -> Result<tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>> {
+    let stream = stream_consumer(
+        consumer_config(&kafka_bootstrap(), group)
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "500"),
+    )?;
+    stream.subscribe(&[topic])?;
+    let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+    Ok(tokio::spawn(
+        async move { consumer.run(stream, shutdown).await },
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_partition_does_not_stop_the_others() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(2).await?;
+    // Far more than a partition queues before its fetch is paused, and all of it received
+    // before the other partition's events.
+    send_many(&topic, 0, "slow", 600).await?;
+    send_many(&topic, 1, "fast", 20).await?;
+
+    let gate = CancellationToken::new();
+    let consumer = gated_consumer(db.pool.clone(), |e| e.key == "slow", gate.clone())?;
+    let shutdown = CancellationToken::new();
+    let run = spawn(&consumer, &topic, &unique("g"), &shutdown)?;
+    eventually(
+        "the other partition is handled while one handler is stuck",
+        WAIT,
+        || async { Ok(effects(&db.pool, Some("fast")).await? == (20, 20)) },
+    )
+    .await?;
+    assert_eq!(effects(&db.pool, Some("slow")).await?, (0, 0));
+
+    gate.cancel();
+    eventually("the stuck partition catches up", WAIT, || async {
+        Ok(effects(&db.pool, None).await?.1 == 620)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(effects(&db.pool, None).await?, (620, 620), "once per event");
+    assert_eq!(consumer.stats().processed, 620);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(2).await?;
+    for partition in 0..2 {
+        send_many(&topic, partition, &format!("k{partition}"), 100).await?;
+    }
+    let group = unique("g");
+    let first_name = unique("first");
+    let first_pool = pool_named(&db, &first_name).await?;
+
+    // The first member gets both partitions and blocks in the first event of each, with the
+    // rest queued behind it.
+    let gate = CancellationToken::new();
+    let first = gated_consumer(first_pool, |_| true, gate.clone())?;
+    let shutdown = CancellationToken::new();
+    let run_first = spawn(&first, &topic, &group, &shutdown)?;
+    let waiting_in_handlers = || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction'",
+        )
+        .bind(&first_name)
+        .fetch_one(&db.pool)
+        .await?;
+        anyhow::Ok(n)
+    };
+    eventually("the first member is inside both handlers", WAIT, || async {
+        Ok(waiting_in_handlers().await? == 2)
+    })
+    .await?;
+
+    // A second member joins: the rebalance revokes the first member's partitions. The second
+    // re-reads from offset 0, and its dedup insert of a message the first still holds waits
+    // on the first's transaction: that wait shows the rebalance is done.
+    let second_name = unique("second");
+    let second = gated_consumer(
+        pool_named(&db, &second_name).await?,
+        |_| false,
+        CancellationToken::new(),
+    )?;
+    let run_second = spawn(&second, &topic, &group, &shutdown)?;
+    eventually("the second member owns a partition", WAIT, || async {
+        let waits: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(&second_name)
+        .fetch_one(&db.pool)
+        .await?;
+        Ok(waits > 0)
+    })
+    .await?;
+
+    gate.cancel();
+    eventually("every event has its effect", WAIT, || async {
+        Ok(effects(&db.pool, None).await?.1 == 200)
+    })
+    .await?;
+    shutdown.cancel();
+    run_first.await??;
+    run_second.await??;
+    assert_eq!(effects(&db.pool, None).await?, (200, 200), "once per event");
+    assert!(
+        first.stats().revoked_skipped > 0,
+        "the first member dropped what it had queued for revoked partitions: {:?}",
+        first.stats()
+    );
+    Ok(())
+}

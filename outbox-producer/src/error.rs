@@ -14,6 +14,16 @@ pub enum ProducerError {
     /// The Kafka client could not be created or used.
     #[error("kafka: {0}")]
     Kafka(#[from] KafkaError),
+    /// The producer hit a fatal error (for an idempotent producer: its sequence or epoch was
+    /// lost, so it can no longer guarantee order or no duplicates). Nothing was recorded for
+    /// the batch: its rows stay pending with their attempt counts. Build a new relay.
+    #[error("fatal producer error ({code:?}): {reason}")]
+    FatalProducer {
+        /// librdkafka's error code.
+        code: rdkafka::types::RDKafkaErrorCode,
+        /// librdkafka's description.
+        reason: String,
+    },
     /// The relay configuration is not usable.
     #[error("invalid relay configuration: {0}")]
     Config(String),

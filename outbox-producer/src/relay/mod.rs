@@ -26,6 +26,9 @@
 //! with the reason. Transient ones (broker down, timeout, topic missing) retry with
 //! exponential backoff and jitter, and quarantine after `max_attempts`. Other aggregates
 //! keep flowing either way; [`QuarantinePolicy`] says whether the same aggregate does.
+//! A fatal producer error (an idempotent producer that lost its sequence state) is not a
+//! row's failure: the batch is left pending as it was and the relay stops with
+//! [`ProducerError::FatalProducer`], to be restarted with a new producer.
 
 mod config;
 mod failure;
@@ -179,6 +182,11 @@ impl Relay {
         } else {
             rows.iter().map(|_| Outcome::Delivered).collect()
         };
+        if let Some((code, reason)) = inner.producer.client().fatal_error() {
+            // Every send now fails: recording those failures would walk healthy rows to
+            // quarantine. Dropping the transaction leaves the batch pending, untouched.
+            return Err(ProducerError::FatalProducer { code, reason });
+        }
         #[cfg(feature = "fault-injection")]
         if inner.crash_after_ack.swap(false, Ordering::SeqCst) {
             // Dropping the transaction rolls it back, exactly as a dead process would.
@@ -333,6 +341,9 @@ impl Relay {
     /// otherwise on a `NOTIFY` from a committing writer or every `poll_interval`. A batch in
     /// progress always finishes (its deliveries are awaited and recorded) before shutdown is
     /// looked at; then the producer is flushed within `shutdown_timeout`.
+    ///
+    /// Returns [`ProducerError::FatalProducer`] when the producer can no longer be used;
+    /// restart the relay with a new producer (its rows are still pending).
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), ProducerError> {
         let config = &self.inner.config;
         let mut listener = None;
@@ -352,6 +363,10 @@ impl Relay {
                     if report.claimed >= config.batch_size as usize {
                         continue;
                     }
+                }
+                Err(error @ ProducerError::FatalProducer { .. }) => {
+                    tracing::error!(%error, "relay stops: its producer is unusable");
+                    return Err(error);
                 }
                 Err(error) => {
                     failures = failures.saturating_add(1);

@@ -92,8 +92,12 @@ impl PartitionSender {
         consumer: &StreamConsumer<C>,
         item: Queued,
     ) -> Result<(), Queued> {
-        self.tx.send(item).map_err(|e| e.0)?;
+        // Counted before it is sent, so the worker never takes it out before it is counted.
         let len = self.flow.len.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Err(closed) = self.tx.send(item) {
+            self.flow.len.fetch_sub(1, Ordering::SeqCst);
+            return Err(closed.0);
+        }
         if len >= HIGH {
             let mut paused = self.flow.lock();
             // Also re-pause at every further HIGH messages: a revoked and re-assigned

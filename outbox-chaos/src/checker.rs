@@ -10,8 +10,8 @@ use outbox_core::TableNames;
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
-use crate::kafka::read_all;
 use crate::summary::Summary;
+use outbox_tests::read_all_from as read_all;
 
 /// What to check.
 #[derive(Debug)]

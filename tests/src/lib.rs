@@ -129,9 +129,9 @@ impl Record {
     }
 }
 
-fn reader(topic: &str, partitions: i32) -> Result<BaseConsumer> {
+fn reader(brokers: &str, topic: &str, partitions: i32) -> Result<BaseConsumer> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", kafka_bootstrap())
+        .set("bootstrap.servers", brokers)
         .set("group.id", unique("reader"))
         .set("enable.auto.commit", "false")
         .create()?;
@@ -172,9 +172,19 @@ const SENTINEL_HEADER: &str = "outbox-test-sentinel";
 /// It first appends a marker record to every partition, then reads until it has met each
 /// marker, so it neither waits for a fixed time nor relies on watermarks.
 pub async fn read_all(topic: &str, partitions: i32, timeout: Duration) -> Result<Vec<Record>> {
+    read_all_from(&kafka_bootstrap(), topic, partitions, timeout).await
+}
+
+/// [`read_all`] from the broker at `brokers` rather than the suite's.
+pub async fn read_all_from(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    timeout: Duration,
+) -> Result<Vec<Record>> {
     let token = uuid::Uuid::new_v4().to_string();
     let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", kafka_bootstrap())
+        .set("bootstrap.servers", brokers)
         .create()?;
     for p in 0..partitions {
         let headers = OwnedHeaders::new().insert(Header {
@@ -191,9 +201,9 @@ pub async fn read_all(topic: &str, partitions: i32, timeout: Duration) -> Result
             .await
             .map_err(|(e, _)| e)?;
     }
-    let topic = topic.to_owned();
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
-        let consumer = reader(&topic, partitions)?;
+        let consumer = reader(&brokers, &topic, partitions)?;
         let deadline = Instant::now() + timeout;
         let mut open: HashSet<i32> = (0..partitions).collect();
         let mut records = Vec::new();

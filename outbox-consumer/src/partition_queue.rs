@@ -131,3 +131,78 @@ impl PartitionReceiver {
         Some(item)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::ClientConfig;
+    use rdkafka::Message;
+    use rdkafka::message::Timestamp;
+
+    use super::*;
+
+    fn queued(offset: i64) -> Queued {
+        let message = OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            offset,
+            None,
+        );
+        Queued { message, epoch: 0 }
+    }
+
+    fn paused(rx: &PartitionReceiver) -> bool {
+        *rx.flow.lock()
+    }
+
+    #[tokio::test]
+    async fn pauses_at_high_resumes_at_low_and_keeps_order() {
+        // Never connects: pausing a partition it does not own fails quietly, which is all
+        // the flags need.
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .set("group.id", "partition-queue-test")
+            .create()
+            .expect("client");
+        let (tx, mut rx) = partition_queue("t", 0);
+        for offset in 0..HIGH as i64 - 1 {
+            tx.push(&consumer, queued(offset)).expect("open");
+        }
+        assert!(!paused(&rx), "below the high mark");
+        tx.push(&consumer, queued(HIGH as i64 - 1)).expect("open");
+        assert!(paused(&rx), "at the high mark");
+
+        let mut next = 0;
+        while rx.flow.len.load(Ordering::SeqCst) > LOW {
+            assert!(paused(&rx), "still above the low mark");
+            let item = rx.next(&consumer).await.expect("queued");
+            assert_eq!(item.message.offset(), next);
+            next += 1;
+        }
+        assert!(!paused(&rx), "resumed at the low mark");
+        drop(tx);
+        while let Some(item) = rx.next(&consumer).await {
+            assert_eq!(item.message.offset(), next);
+            next += 1;
+        }
+        assert_eq!(next, HIGH as i64, "every message, in order");
+        assert_eq!(rx.flow.len.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_closed_queue_gives_the_message_back_uncounted() {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .set("group.id", "partition-queue-test")
+            .create()
+            .expect("client");
+        let (tx, rx) = partition_queue("t", 0);
+        let flow = Arc::clone(&rx.flow);
+        drop(rx);
+        let back = tx.push(&consumer, queued(7)).expect_err("closed");
+        assert_eq!(back.message.offset(), 7);
+        assert_eq!(flow.len.load(Ordering::SeqCst), 0);
+    }
+}

@@ -124,24 +124,26 @@ pub(crate) struct Summary {
 }
 
 impl Summary {
+    /// The invariants, by their names in the summary line: each must be zero.
+    fn violations(&self) -> [(&'static str, u64); 11] {
+        [
+            ("lost", self.lost),
+            ("double_effects", self.double_effects),
+            ("order_violations", self.order_violations),
+            ("phantoms", self.phantoms),
+            ("atomicity_violations", self.atomicity_violations),
+            ("pending", self.pending),
+            ("outbox_quarantined", self.outbox_quarantined),
+            ("poison_failures", self.poison_failures),
+            ("unexpected_quarantines", self.unexpected_quarantines),
+            ("unexpected_exits", self.unexpected_exits),
+            ("drain_timeouts", self.drain_timeouts),
+        ]
+    }
+
     /// Whether every invariant held.
     pub(crate) fn passed(&self) -> bool {
-        [
-            self.lost,
-            self.double_effects,
-            self.order_violations,
-            self.phantoms,
-            self.atomicity_violations,
-            self.pending,
-            self.outbox_quarantined,
-            self.poison_failures,
-            self.unexpected_quarantines,
-            self.unexpected_exits,
-            self.drain_timeouts,
-        ]
-        .iter()
-        .all(|n| *n == 0)
-            && self.runs > 0
+        self.runs > 0 && self.violations().iter().all(|(_, n)| *n == 0)
     }
 
     pub(crate) fn merge(&mut self, o: &Self) {
@@ -187,9 +189,7 @@ impl Summary {
         let _ = write!(
             s,
             " events_committed={} rolled_back={} published={} duplicates_delivered={} effects={} \
-             poison_quarantined={}/{} group_restarts={} broker_recoveries={} lost={} double_effects={} order_violations={} phantoms={} \
-             atomicity_violations={} pending={} outbox_quarantined={} poison_failures={} \
-             unexpected_quarantines={} unexpected_exits={} drain_timeouts={}",
+             poison_quarantined={}/{} group_restarts={} broker_recoveries={}",
             self.events_committed,
             self.rolled_back,
             self.published,
@@ -199,18 +199,52 @@ impl Summary {
             self.poison_injected,
             self.group_restarts,
             self.broker_recoveries,
-            self.lost,
-            self.double_effects,
-            self.order_violations,
-            self.phantoms,
-            self.atomicity_violations,
-            self.pending,
-            self.outbox_quarantined,
-            self.poison_failures,
-            self.unexpected_quarantines,
-            self.unexpected_exits,
-            self.drain_timeouts,
         );
+        for (name, n) in self.violations() {
+            let _ = write!(s, " {name}={n}");
+        }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_violation_fails_the_run_and_shows_in_the_line() {
+        let clean = Summary {
+            runs: 1,
+            ..Summary::default()
+        };
+        assert!(clean.passed());
+        let line = clean.line("ci", 1, 10);
+        assert!(line.starts_with("chaos: result=PASS "), "{line}");
+        assert!(
+            line.ends_with(" unexpected_exits=0 drain_timeouts=0"),
+            "{line}"
+        );
+        for (name, _) in clean.violations() {
+            let mut broken = clean.clone();
+            broken.merge(&Summary {
+                lost: u64::from(name == "lost"),
+                double_effects: u64::from(name == "double_effects"),
+                order_violations: u64::from(name == "order_violations"),
+                phantoms: u64::from(name == "phantoms"),
+                atomicity_violations: u64::from(name == "atomicity_violations"),
+                pending: u64::from(name == "pending"),
+                outbox_quarantined: u64::from(name == "outbox_quarantined"),
+                poison_failures: u64::from(name == "poison_failures"),
+                unexpected_quarantines: u64::from(name == "unexpected_quarantines"),
+                unexpected_exits: u64::from(name == "unexpected_exits"),
+                drain_timeouts: u64::from(name == "drain_timeouts"),
+                ..Summary::default()
+            });
+            assert!(!broken.passed(), "{name}");
+            let line = broken.line("ci", 1, 10);
+            assert!(line.contains(&format!(" {name}=1")), "{line}");
+            assert!(line.starts_with("chaos: result=FAIL "), "{line}");
+        }
+        assert!(!Summary::default().passed(), "no run is no pass");
     }
 }

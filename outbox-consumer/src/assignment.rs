@@ -57,6 +57,23 @@ impl ConsumerContext for DedupContext {
 /// Creates the `StreamConsumer` [`DedupConsumer::run`](crate::DedupConsumer::run) takes, from
 /// `kafka` with the settings the consumer's guarantees rest on enforced (see
 /// [`consumer_config`](crate::consumer_config)). Subscribe or assign it before running.
+///
+/// ```no_run
+/// # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
+/// use outbox_consumer::{ConsumerConfig, DedupConsumer, Event, consumer_config, stream_consumer};
+/// use rdkafka::consumer::Consumer;
+/// use tokio_util::sync::CancellationToken;
+///
+/// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"),
+///     |event: &Event<serde_json::Value>, tx| Box::pin(async move {
+///         sqlx::query("INSERT INTO seen (id) VALUES ($1)").bind(event.id).execute(&mut **tx).await?;
+///         Ok(())
+///     }))?;
+/// let stream = stream_consumer(consumer_config("127.0.0.1:9092", "billing").set("session.timeout.ms", "10000"))?;
+/// stream.subscribe(&["outbox.event.invoice"])?;
+/// consumer.run(stream, CancellationToken::new()).await
+/// # }
+/// ```
 pub fn stream_consumer(
     kafka: &ClientConfig,
 ) -> Result<StreamConsumer<DedupContext>, ConsumerError> {

@@ -44,6 +44,9 @@ pub struct ConsumerConfig {
     pub on_handler_failure: HandlerFailurePolicy,
     /// Partitions processed concurrently (order within a partition always holds).
     pub max_concurrent_partitions: usize,
+    /// Messages queued per partition before its fetch is paused (it resumes at a quarter).
+    /// Bounds memory to about this many messages per partition; lower it for large payloads.
+    pub max_queued_per_partition: usize,
     /// Larger payloads are quarantined without decoding.
     pub max_payload_bytes: usize,
     /// When set, events whose `type` header is not listed are quarantined.
@@ -93,6 +96,11 @@ impl ConsumerConfig {
         self.max_concurrent_partitions = n;
         self
     }
+    /// Sets [`Self::max_queued_per_partition`].
+    pub fn max_queued_per_partition(mut self, n: usize) -> Self {
+        self.max_queued_per_partition = n;
+        self
+    }
     /// Sets [`Self::max_payload_bytes`].
     pub fn max_payload_bytes(mut self, n: usize) -> Self {
         self.max_payload_bytes = n;
@@ -121,8 +129,13 @@ impl ConsumerConfig {
                 "cache_ttl must not exceed dedup_ttl, or the cache would outlive the dedup rows",
             );
         }
-        if self.max_attempts == 0 || self.max_concurrent_partitions == 0 {
-            return bad("max_attempts and max_concurrent_partitions must be at least 1");
+        if self.max_attempts == 0
+            || self.max_concurrent_partitions == 0
+            || self.max_queued_per_partition == 0
+        {
+            return bad(
+                "max_attempts, max_concurrent_partitions and max_queued_per_partition must be at least 1",
+            );
         }
         if self.backoff_base > self.backoff_max {
             return bad("backoff_base must not exceed backoff_max");
@@ -144,6 +157,7 @@ impl Default for ConsumerConfig {
             backoff_max: Duration::from_secs(30),
             on_handler_failure: HandlerFailurePolicy::default(),
             max_concurrent_partitions: 8,
+            max_queued_per_partition: 1024,
             max_payload_bytes: 1024 * 1024,
             event_types: None,
             shutdown_timeout: Duration::from_secs(10),

@@ -28,7 +28,8 @@
 //! - `fault-injection`: crash hooks for tests; never in production.
 //!
 //! Handlers run beside the Kafka poll loop, so a slow handler never stops polling: once a
-//! partition has 256 messages queued its fetch is paused until the handler catches up, and
+//! partition has `max_queued_per_partition` messages queued (1,024 by default) its fetch is
+//! paused until the handler catches up, and
 //! the member keeps its partitions however long a handler (or a database outage) takes.
 //! Messages queued for a partition that a rebalance takes away are dropped, not handled: the
 //! partition's new owner reads them from the committed offset.

@@ -1,7 +1,7 @@
 //! The queue between the poll loop and one partition's worker. The poll loop never waits on
-//! it: once [`HIGH`] messages are queued it pauses the partition's fetch instead, and the
-//! worker resumes the fetch when the queue is down to [`LOW`]. So polling (heartbeats,
-//! rebalances, other partitions) goes on however slow one partition's handler is.
+//! it: once `high` messages are queued it pauses the partition's fetch instead, and the
+//! worker resumes the fetch when the queue is down to a quarter of that. So polling
+//! (heartbeats, rebalances, other partitions) goes on however slow one partition's handler is.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,11 +10,6 @@ use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::message::OwnedMessage;
 use tokio::sync::mpsc;
-
-/// Queued messages at which the partition's fetch is paused.
-pub(crate) const HIGH: usize = 256;
-/// Queued messages at which a paused fetch resumes.
-pub(crate) const LOW: usize = 64;
 
 /// A message and the revocation count of its partition when it was received.
 #[derive(Debug)]
@@ -28,6 +23,10 @@ struct Flow {
     topic: String,
     partition: i32,
     len: AtomicUsize,
+    /// Queued messages at which the fetch is paused...
+    high: usize,
+    /// ...and at which it resumes.
+    low: usize,
     /// Whether we paused the fetch. Pausing and resuming happen under this lock, each after
     /// re-reading `len`, so a pause can never outlive the messages that caused it.
     paused: Mutex<bool>,
@@ -68,12 +67,19 @@ pub(crate) struct PartitionReceiver {
     flow: Arc<Flow>,
 }
 
-pub(crate) fn partition_queue(topic: &str, partition: i32) -> (PartitionSender, PartitionReceiver) {
+/// A queue for `topic`/`partition` that pauses the fetch at `high` queued messages.
+pub(crate) fn partition_queue(
+    topic: &str,
+    partition: i32,
+    high: usize,
+) -> (PartitionSender, PartitionReceiver) {
     let (tx, rx) = mpsc::unbounded_channel();
     let flow = Arc::new(Flow {
         topic: topic.to_owned(),
         partition,
         len: AtomicUsize::new(0),
+        high: high.max(1),
+        low: high / 4,
         paused: Mutex::new(false),
     });
     (
@@ -98,12 +104,13 @@ impl PartitionSender {
             self.flow.len.fetch_sub(1, Ordering::SeqCst);
             return Err(closed.0);
         }
-        if len >= HIGH {
+        let high = self.flow.high;
+        if len >= high {
             let mut paused = self.flow.lock();
-            // Also re-pause at every further HIGH messages: a revoked and re-assigned
+            // Also re-pause at every further `high` messages: a revoked and re-assigned
             // partition starts unpaused while our flag may still say paused.
             let len = self.flow.len.load(Ordering::SeqCst);
-            if len >= HIGH && (!*paused || len.is_multiple_of(HIGH)) {
+            if len >= high && (!*paused || len.is_multiple_of(high)) {
                 self.flow.set_paused(consumer, true);
                 *paused = true;
             }
@@ -121,9 +128,9 @@ impl PartitionReceiver {
     ) -> Option<Queued> {
         let item = self.rx.recv().await?;
         let len = self.flow.len.fetch_sub(1, Ordering::SeqCst) - 1;
-        if len <= LOW {
+        if len <= self.flow.low {
             let mut paused = self.flow.lock();
-            if *paused && self.flow.len.load(Ordering::SeqCst) <= LOW {
+            if *paused && self.flow.len.load(Ordering::SeqCst) <= self.flow.low {
                 self.flow.set_paused(consumer, false);
                 *paused = false;
             }
@@ -166,7 +173,9 @@ mod tests {
             .set("group.id", "partition-queue-test")
             .create()
             .expect("client");
-        let (tx, mut rx) = partition_queue("t", 0);
+        const HIGH: usize = 256;
+        const LOW: usize = HIGH / 4;
+        let (tx, mut rx) = partition_queue("t", 0, HIGH);
         for offset in 0..HIGH as i64 - 1 {
             tx.push(&consumer, queued(offset)).expect("open");
         }
@@ -198,7 +207,7 @@ mod tests {
             .set("group.id", "partition-queue-test")
             .create()
             .expect("client");
-        let (tx, rx) = partition_queue("t", 0);
+        let (tx, rx) = partition_queue("t", 0, 8);
         let flow = Arc::clone(&rx.flow);
         drop(rx);
         let back = tx.push(&consumer, queued(7)).expect_err("closed");

@@ -97,8 +97,8 @@ where
     /// and must be subscribed (or assigned).
     ///
     /// Partitions are handled concurrently (up to `max_concurrent_partitions`), each in
-    /// order. A partition with many messages queued has its fetch paused rather than the poll
-    /// loop blocked, and messages of a partition revoked from this member are dropped from
+    /// order. A partition with `max_queued_per_partition` messages queued has its fetch
+    /// paused rather than the poll loop blocked, and messages of a partition revoked from this member are dropped from
     /// its queue (the partition's next owner reads them from the committed offset). On
     /// shutdown, messages being handled finish, queued ones are left for redelivery, stored
     /// offsets are committed within `shutdown_timeout`, and the client is closed off the
@@ -135,7 +135,11 @@ where
             let queue = queues
                 .entry((message.topic().to_owned(), message.partition()))
                 .or_insert_with(|| {
-                    let (tx, rx) = partition_queue(message.topic(), message.partition());
+                    let (tx, rx) = partition_queue(
+                        message.topic(),
+                        message.partition(),
+                        self.inner.config.max_queued_per_partition,
+                    );
                     workers.spawn(self.clone().partition_worker(
                         Arc::clone(&consumer),
                         rx,

@@ -92,12 +92,13 @@ async fn effects(pool: &PgPool, key: Option<&str>) -> Result<(i64, i64)> {
 /// A consumer recording each event's effect after waiting for `gate` when `blocks` says so.
 fn gated_consumer(
     pool: PgPool,
+    config: ConsumerConfig,
     blocks: fn(&Event<Order>) -> bool,
     gate: CancellationToken,
 ) -> Result<DedupConsumer<Order, impl outbox_consumer::Handler<Order>>> {
     Ok(DedupConsumer::new(
         pool,
-        ConsumerConfig::new("c1"),
+        config,
         move |event: &Event<Order>, tx| {
             let (gate, blocked) = (gate.clone(), blocks(event));
             Box::pin(async move {
@@ -139,13 +140,18 @@ async fn a_stuck_partition_does_not_stop_the_others() -> Result<()> {
     let db = TestDb::new().await?;
     effects_table(&db.pool).await?;
     let topic = random_topic(2).await?;
-    // Far more than a partition queues before its fetch is paused, and all of it received
-    // before the other partition's events.
+    // Far more than a partition queues before its fetch is paused (256 here), and all of it
+    // received before the other partition's events.
     send_many(&topic, 0, "slow", 600).await?;
     send_many(&topic, 1, "fast", 20).await?;
 
     let gate = CancellationToken::new();
-    let consumer = gated_consumer(db.pool.clone(), |e| e.key == "slow", gate.clone())?;
+    let consumer = gated_consumer(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").max_queued_per_partition(256),
+        |e| e.key == "slow",
+        gate.clone(),
+    )?;
     let shutdown = CancellationToken::new();
     let run = spawn(&consumer, &topic, &unique("g"), &shutdown)?;
     eventually(
@@ -183,7 +189,12 @@ async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Re
     // The first member gets both partitions and blocks in the first event of each, with the
     // rest queued behind it.
     let gate = CancellationToken::new();
-    let first = gated_consumer(first_pool, |_| true, gate.clone())?;
+    let first = gated_consumer(
+        first_pool,
+        ConsumerConfig::new("c1"),
+        |_| true,
+        gate.clone(),
+    )?;
     let shutdown = CancellationToken::new();
     let run_first = spawn(&first, &topic, &group, &shutdown)?;
     let waiting_in_handlers = || async {
@@ -206,6 +217,7 @@ async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Re
     let second_name = unique("second");
     let second = gated_consumer(
         pool_named(&db, &second_name).await?,
+        ConsumerConfig::new("c1"),
         |_| false,
         CancellationToken::new(),
     )?;

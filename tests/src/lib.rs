@@ -52,6 +52,18 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// A second pool on this schema whose connections carry `application_name`, so a test
+    /// can tell its own backends (or a consumer's effect rows) apart.
+    pub async fn pool_named(&self, name: &str) -> Result<PgPool> {
+        let options = (*self.pool.connect_options())
+            .clone()
+            .application_name(name);
+        Ok(sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await?)
+    }
+
     /// Creates the schema and runs the migrations in it.
     pub async fn new() -> Result<Self> {
         Self::with_pool_size(8).await

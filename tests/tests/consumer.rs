@@ -130,12 +130,8 @@ fn handled(c: &DedupConsumer<Order, Handler>) -> u64 {
 /// The application_name tags each effect row with the consumer that made it.
 async fn db_for(name: &str) -> Result<TestDb> {
     let db = TestDb::new().await?;
-    let options = (*db.pool.connect_options()).clone().application_name(name);
     Ok(TestDb {
-        pool: sqlx::postgres::PgPoolOptions::new()
-            .max_connections(8)
-            .connect_with(options)
-            .await?,
+        pool: db.pool_named(name).await?,
         schema: db.schema,
     })
 }

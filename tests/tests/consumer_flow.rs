@@ -62,12 +62,14 @@ async fn send_many(topic: &str, partition: i32, key: &str, count: i64) -> Result
     Ok(())
 }
 
-/// A pool whose connections carry `application_name`, so a test can find its own backends.
-async fn pool_named(db: &TestDb, name: &str) -> Result<PgPool> {
-    let options = (*db.pool.connect_options()).clone().application_name(name);
-    Ok(sqlx::postgres::PgPoolOptions::new()
-        .max_connections(8)
-        .connect_with(options)
+/// Backends of the pool named `name` (see `TestDb::pool_named`) matching `state`, a
+/// `pg_stat_activity` condition written by the test.
+async fn backends(db: &TestDb, name: &str, state: &'static str) -> Result<i64> {
+    let sql =
+        format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND {state}");
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .bind(name)
+        .fetch_one(&db.pool)
         .await?)
 }
 
@@ -184,7 +186,7 @@ async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Re
     }
     let group = unique("g");
     let first_name = unique("first");
-    let first_pool = pool_named(&db, &first_name).await?;
+    let first_pool = db.pool_named(&first_name).await?;
 
     // The first member gets both partitions and blocks in the first event of each, with the
     // rest queued behind it.
@@ -197,17 +199,8 @@ async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Re
     )?;
     let shutdown = CancellationToken::new();
     let run_first = spawn(&first, &topic, &group, &shutdown)?;
-    let waiting_in_handlers = || async {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction'",
-        )
-        .bind(&first_name)
-        .fetch_one(&db.pool)
-        .await?;
-        anyhow::Ok(n)
-    };
     eventually("the first member is inside both handlers", WAIT, || async {
-        Ok(waiting_in_handlers().await? == 2)
+        Ok(backends(&db, &first_name, "state = 'idle in transaction'").await? == 2)
     })
     .await?;
 
@@ -216,20 +209,14 @@ async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Re
     // on the first's transaction: that wait shows the rebalance is done.
     let second_name = unique("second");
     let second = gated_consumer(
-        pool_named(&db, &second_name).await?,
+        db.pool_named(&second_name).await?,
         ConsumerConfig::new("c1"),
         |_| false,
         CancellationToken::new(),
     )?;
     let run_second = spawn(&second, &topic, &group, &shutdown)?;
     eventually("the second member owns a partition", WAIT, || async {
-        let waits: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(&second_name)
-        .fetch_one(&db.pool)
-        .await?;
-        Ok(waits > 0)
+        Ok(backends(&db, &second_name, "wait_event_type = 'Lock'").await? > 0)
     })
     .await?;
 

@@ -26,6 +26,12 @@ const RAW_INSERT: &str = "WITH lock AS (SELECT pg_advisory_xact_lock(hashtext('o
 const BARE_INSERT: &str = "INSERT INTO bare_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
     VALUES ($1, $2, $3, $4, $5, $6, $7)";
 
+/// The floor with a wake-up: the bare row plus the NOTIFY `enqueue` sends by default. Postgres
+/// serializes the commits of notifying transactions on one global lock, whatever they write.
+const BARE_INSERT_NOTIFY: &str = "WITH ins AS (INSERT INTO bare_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING 1) \
+    SELECT pg_notify('outbox_bench_bare', '') FROM (SELECT 1 FROM ins LIMIT 1) AS written";
+
 /// The state update, alone or with an outbox write.
 #[derive(Debug, Clone, Copy)]
 enum Variant {
@@ -36,6 +42,7 @@ enum Variant {
     WithLeanEnqueue,
     WithRawSql,
     WithBareInsert,
+    WithBareInsertNotify,
 }
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
@@ -60,7 +67,8 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         mut lean,
         mut raw,
         mut bare,
-    ]: [Sample; 6] = Default::default();
+        mut bare_notify,
+    ]: [Sample; 7] = Default::default();
     for round in 0..settings.rounds {
         // Interleaved, so drift (autovacuum, table growth, a busy core) hits every variant alike.
         state.push(rate(&db.pool, Variant::Alone, settings).await?);
@@ -81,15 +89,20 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             &mut bare,
             rate(&db.pool, Variant::WithBareInsert, settings).await?,
         );
+        Sample::push(
+            &mut bare_notify,
+            rate(&db.pool, Variant::WithBareInsertNotify, settings).await?,
+        );
         eprintln!(
             "P1 round {round}: state {:.0}, +enqueue {:.0} (without NOTIFY {:.0}, without NOTIFY \
-             and lock {:.0}), +raw {:.0}, +bare row {:.0} tx/s",
+             and lock {:.0}), +raw {:.0}, +bare row {:.0}, +bare row and NOTIFY {:.0} tx/s",
             state.values[round],
             enqueue.values[round],
             quiet.values[round],
             lean.values[round],
             raw.values[round],
-            bare.values[round]
+            bare.values[round],
+            bare_notify.values[round]
         );
     }
     Ok(vec![
@@ -106,7 +119,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             "P1",
             "state + enqueue, notify(false)",
             "tx/s",
-            quiet,
+            quiet.clone(),
             "state alone",
             state.clone(),
             Some(0.8),
@@ -124,10 +137,37 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             "P1",
             "state + bare row, no index/lock/notify",
             "tx/s",
-            bare,
+            bare.clone(),
             "state alone (the Postgres floor)",
+            state.clone(),
+            None,
+        ),
+        Figure::at_least(
+            "P1",
+            "state + bare row + NOTIFY, no index/lock",
+            "tx/s",
+            bare_notify.clone(),
+            "state alone (the floor with NOTIFY)",
             state,
             None,
+        ),
+        Figure::at_least(
+            "P1",
+            "state + enqueue",
+            "tx/s",
+            enqueue.clone(),
+            "state + bare row + NOTIFY (its floor)",
+            bare_notify,
+            Some(0.95),
+        ),
+        Figure::at_least(
+            "P1",
+            "state + enqueue, notify(false)",
+            "tx/s",
+            quiet.clone(),
+            "state + bare row (its floor)",
+            bare,
+            Some(0.95),
         ),
         Figure::at_least(
             "P1",
@@ -200,11 +240,11 @@ async fn one_transaction(
                 )
                 .await?;
         }
-        Variant::WithRawSql | Variant::WithBareInsert => {
-            let sql = if matches!(variant, Variant::WithRawSql) {
-                RAW_INSERT
-            } else {
-                BARE_INSERT
+        Variant::WithRawSql | Variant::WithBareInsert | Variant::WithBareInsertNotify => {
+            let sql = match variant {
+                Variant::WithRawSql => RAW_INSERT,
+                Variant::WithBareInsert => BARE_INSERT,
+                _ => BARE_INSERT_NOTIFY,
             };
             sqlx::query(sql)
                 .bind(uuid::Uuid::now_v7())

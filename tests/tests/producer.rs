@@ -592,3 +592,22 @@ async fn every_enqueue_option_writes_the_rows_in_order() -> Result<()> {
     assert_eq!(stored, expected);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_relay_refuses_a_pool_too_small_for_its_connections() -> Result<()> {
+    // The listener keeps one pooled connection for good: with a pool of one, `run` would
+    // wait forever for a connection to claim with.
+    let db = TestDb::with_pool_size(1).await?;
+    let kafka = producer_config(&kafka_bootstrap());
+    let refused = Relay::new(db.pool.clone(), &kafka, RelayConfig::default());
+    assert!(
+        matches!(&refused, Err(ProducerError::Config(m)) if m.contains("at least 2 connections")),
+        "{refused:?}"
+    );
+    Relay::new(
+        db.pool.clone(),
+        &kafka,
+        RelayConfig::default().listen(false),
+    )?;
+    Ok(())
+}

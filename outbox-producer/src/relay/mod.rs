@@ -128,6 +128,16 @@ impl Relay {
         config: RelayConfig,
     ) -> Result<Self, ProducerError> {
         config.validate()?;
+        let needed = 1 + u32::from(config.listen);
+        let max = pool.options().get_max_connections();
+        if max < needed {
+            // With fewer, `run` would wait on the pool for the connection its listener holds.
+            return Err(ProducerError::Config(format!(
+                "the relay needs a pool of at least {needed} connections (one for its batch{}), \
+                 this one has {max}",
+                if config.listen { ", one to LISTEN" } else { "" }
+            )));
+        }
         let sql = RelaySql::new(&config.tables.outbox, config.quarantine_policy);
         Ok(Self {
             inner: Arc::new(Inner {

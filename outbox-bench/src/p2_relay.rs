@@ -83,9 +83,10 @@ async fn drained_rate(pool: &PgPool, events: usize, relay: &Relay, how: Drain) -
                 let (relay, shutdown) = (relay.clone(), shutdown.clone());
                 async move { relay.run(shutdown).await }
             });
-            // The last row drained means (near) all: a primary-key probe, cheap next to the
-            // relay's work, where scanning the pending index would wade through the entries
-            // of rows published since the last vacuum. The full check follows.
+            // The last row drained means (near) all: a primary-key probe, where scanning the
+            // pending index would wade through the entries of rows published since the last
+            // vacuum. The full check follows. Probing every 2 ms instead of 10 cost the relay
+            // ~15% on 2 cores; 10 ms is under 1% of a drain.
             let last: i64 = sqlx::query_scalar("SELECT max(seq) FROM outbox_events")
                 .fetch_one(pool)
                 .await?;
@@ -98,7 +99,7 @@ async fn drained_rate(pool: &PgPool, events: usize, relay: &Relay, how: Drain) -
                     .fetch_one(pool)
                     .await?
                 {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
             shutdown.cancel();

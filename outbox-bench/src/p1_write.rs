@@ -26,11 +26,16 @@ const RAW_INSERT: &str = "WITH lock AS (SELECT pg_advisory_xact_lock(hashtext('o
 const BARE_INSERT: &str = "INSERT INTO bare_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
     VALUES ($1, $2, $3, $4, $5, $6, $7)";
 
-/// The floor with a wake-up: the bare row plus the NOTIFY `enqueue` sends by default. Postgres
+/// The bare row with the one thing any outbox row needs: a generated, indexed sequence number
+/// to publish in order by.
+const KEYED_INSERT: &str = "INSERT INTO keyed_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7)";
+
+/// The floor of `enqueue` with its default wake-up: the keyed row plus a NOTIFY. Postgres
 /// serializes the commits of notifying transactions on one global lock, whatever they write.
-const BARE_INSERT_NOTIFY: &str = "WITH ins AS (INSERT INTO bare_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+const KEYED_INSERT_NOTIFY: &str = "WITH ins AS (INSERT INTO keyed_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
     VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING 1) \
-    SELECT pg_notify('outbox_bench_bare', '') FROM (SELECT 1 FROM ins LIMIT 1) AS written";
+    SELECT pg_notify('outbox_bench_keyed', '') FROM (SELECT 1 FROM ins LIMIT 1) AS written";
 
 /// The state update, alone or with an outbox write.
 #[derive(Debug, Clone, Copy)]
@@ -42,7 +47,8 @@ enum Variant {
     WithLeanEnqueue,
     WithRawSql,
     WithBareInsert,
-    WithBareInsertNotify,
+    WithKeyedInsert,
+    WithKeyedInsertNotify,
 }
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
@@ -60,6 +66,13 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     )
     .execute(&db.pool)
     .await?;
+    sqlx::query(
+        "CREATE TABLE keyed_events (seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+         id UUID, aggregatetype TEXT, aggregateid TEXT, type TEXT, payload JSONB, headers JSONB, \
+         topic TEXT, created_at TIMESTAMPTZ DEFAULT now())",
+    )
+    .execute(&db.pool)
+    .await?;
     let [
         mut state,
         mut enqueue,
@@ -67,8 +80,9 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         mut lean,
         mut raw,
         mut bare,
-        mut bare_notify,
-    ]: [Sample; 7] = Default::default();
+        mut keyed,
+        mut keyed_notify,
+    ]: [Sample; 8] = Default::default();
     for round in 0..settings.rounds {
         // Interleaved, so drift (autovacuum, table growth, a busy core) hits every variant alike.
         state.push(rate(&db.pool, Variant::Alone, settings).await?);
@@ -90,19 +104,24 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             rate(&db.pool, Variant::WithBareInsert, settings).await?,
         );
         Sample::push(
-            &mut bare_notify,
-            rate(&db.pool, Variant::WithBareInsertNotify, settings).await?,
+            &mut keyed,
+            rate(&db.pool, Variant::WithKeyedInsert, settings).await?,
+        );
+        Sample::push(
+            &mut keyed_notify,
+            rate(&db.pool, Variant::WithKeyedInsertNotify, settings).await?,
         );
         eprintln!(
             "P1 round {round}: state {:.0}, +enqueue {:.0} (without NOTIFY {:.0}, without NOTIFY \
-             and lock {:.0}), +raw {:.0}, +bare row {:.0}, +bare row and NOTIFY {:.0} tx/s",
+             and lock {:.0}), +raw {:.0}, +bare row {:.0}, +keyed row {:.0}, +keyed row and NOTIFY {:.0} tx/s",
             state.values[round],
             enqueue.values[round],
             quiet.values[round],
             lean.values[round],
             raw.values[round],
             bare.values[round],
-            bare_notify.values[round]
+            keyed.values[round],
+            keyed_notify.values[round]
         );
     }
     Ok(vec![
@@ -135,19 +154,37 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         ),
         Figure::at_least(
             "P1",
-            "state + bare row, no index/lock/notify",
+            "state + bare row, no key/index/lock/notify",
             "tx/s",
-            bare.clone(),
-            "state alone (the Postgres floor)",
+            bare,
+            "state alone",
             state.clone(),
             None,
         ),
         Figure::at_least(
             "P1",
-            "state + bare row + NOTIFY, no index/lock",
+            "state + keyed row (identity primary key)",
             "tx/s",
-            bare_notify.clone(),
-            "state alone (the floor with NOTIFY)",
+            keyed.clone(),
+            "state alone",
+            state.clone(),
+            None,
+        ),
+        Figure::at_least(
+            "P1",
+            "state + enqueue, notify(false)",
+            "tx/s",
+            quiet.clone(),
+            "state + keyed row (identity primary key)",
+            keyed,
+            Some(0.95),
+        ),
+        Figure::at_least(
+            "P1",
+            "state + keyed row + NOTIFY",
+            "tx/s",
+            keyed_notify.clone(),
+            "state alone",
             state,
             None,
         ),
@@ -156,17 +193,8 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             "state + enqueue",
             "tx/s",
             enqueue.clone(),
-            "state + bare row + NOTIFY (its floor)",
-            bare_notify,
-            Some(0.95),
-        ),
-        Figure::at_least(
-            "P1",
-            "state + enqueue, notify(false)",
-            "tx/s",
-            quiet.clone(),
-            "state + bare row (its floor)",
-            bare,
+            "state + keyed row + NOTIFY (its floor)",
+            keyed_notify,
             Some(0.95),
         ),
         Figure::at_least(
@@ -240,11 +268,15 @@ async fn one_transaction(
                 )
                 .await?;
         }
-        Variant::WithRawSql | Variant::WithBareInsert | Variant::WithBareInsertNotify => {
+        Variant::WithRawSql
+        | Variant::WithBareInsert
+        | Variant::WithKeyedInsert
+        | Variant::WithKeyedInsertNotify => {
             let sql = match variant {
                 Variant::WithRawSql => RAW_INSERT,
                 Variant::WithBareInsert => BARE_INSERT,
-                _ => BARE_INSERT_NOTIFY,
+                Variant::WithKeyedInsert => KEYED_INSERT,
+                _ => KEYED_INSERT_NOTIFY,
             };
             sqlx::query(sql)
                 .bind(uuid::Uuid::now_v7())

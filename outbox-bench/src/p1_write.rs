@@ -177,7 +177,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             quiet.clone(),
             "state + keyed row (identity primary key)",
             keyed,
-            Some(0.95),
+            None,
         ),
         Figure::at_least(
             "P1",
@@ -195,7 +195,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             enqueue.clone(),
             "state + keyed row + NOTIFY (its floor)",
             keyed_notify,
-            Some(0.95),
+            None,
         ),
         Figure::at_least(
             "P1",

@@ -51,6 +51,18 @@ enum Variant {
     WithKeyedInsertNotify,
 }
 
+/// Every variant, in the order each round measures them.
+const VARIANTS: [Variant; 8] = [
+    Variant::Alone,
+    Variant::WithEnqueue,
+    Variant::WithQuietEnqueue,
+    Variant::WithLeanEnqueue,
+    Variant::WithRawSql,
+    Variant::WithBareInsert,
+    Variant::WithKeyedInsert,
+    Variant::WithKeyedInsertNotify,
+];
+
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let db = TestDb::with_pool_size(settings.clients as u32 + 1).await?;
     sqlx::query("CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL)")
@@ -73,57 +85,20 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     )
     .execute(&db.pool)
     .await?;
-    let [
-        mut state,
-        mut enqueue,
-        mut quiet,
-        mut lean,
-        mut raw,
-        mut bare,
-        mut keyed,
-        mut keyed_notify,
-    ]: [Sample; 8] = Default::default();
+    let mut samples: [Sample; 8] = Default::default();
     for round in 0..settings.rounds {
         // Interleaved, so drift (autovacuum, table growth, a busy core) hits every variant alike.
-        state.push(rate(&db.pool, Variant::Alone, settings).await?);
-        enqueue.push(rate(&db.pool, Variant::WithEnqueue, settings).await?);
-        Sample::push(
-            &mut quiet,
-            rate(&db.pool, Variant::WithQuietEnqueue, settings).await?,
-        );
-        Sample::push(
-            &mut lean,
-            rate(&db.pool, Variant::WithLeanEnqueue, settings).await?,
-        );
-        Sample::push(
-            &mut raw,
-            rate(&db.pool, Variant::WithRawSql, settings).await?,
-        );
-        Sample::push(
-            &mut bare,
-            rate(&db.pool, Variant::WithBareInsert, settings).await?,
-        );
-        Sample::push(
-            &mut keyed,
-            rate(&db.pool, Variant::WithKeyedInsert, settings).await?,
-        );
-        Sample::push(
-            &mut keyed_notify,
-            rate(&db.pool, Variant::WithKeyedInsertNotify, settings).await?,
-        );
-        eprintln!(
-            "P1 round {round}: state {:.0}, +enqueue {:.0} (without NOTIFY {:.0}, without NOTIFY \
-             and lock {:.0}), +raw {:.0}, +bare row {:.0}, +keyed row {:.0}, +keyed row and NOTIFY {:.0} tx/s",
-            state.values[round],
-            enqueue.values[round],
-            quiet.values[round],
-            lean.values[round],
-            raw.values[round],
-            bare.values[round],
-            keyed.values[round],
-            keyed_notify.values[round]
-        );
+        for (variant, sample) in VARIANTS.iter().zip(&mut samples) {
+            sample.push(rate(&db.pool, *variant, settings).await?);
+        }
+        let rates: Vec<String> = VARIANTS
+            .iter()
+            .zip(&samples)
+            .map(|(variant, sample)| format!("{variant:?} {:.0}", sample.values[round]))
+            .collect();
+        eprintln!("P1 round {round} (tx/s): {}", rates.join(", "));
     }
+    let [state, enqueue, quiet, lean, raw, bare, keyed, keyed_notify] = samples;
     Ok(vec![
         Figure::at_least(
             "P1",

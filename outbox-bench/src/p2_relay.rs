@@ -71,7 +71,7 @@ enum Drain {
 }
 
 /// Rows per second for `relay` to empty an outbox holding `events` fresh pending rows. Each
-/// measurement gets a topic of its own: tansu's memory storage slows down as a topic grows.
+/// measurement gets a topic of its own, so none starts on a topic the others have grown.
 async fn drained_rate(pool: &PgPool, events: usize, relay: &Relay, how: Drain) -> Result<f64> {
     let topic = random_topic(PARTITIONS).await?;
     fill(pool, &topic, events).await?;

@@ -27,18 +27,71 @@ wait_for() {
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# The newest installed cluster version (Debian's layout: /etc/postgresql/<version>/main).
+pg_version() { ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1; }
+
+# Trust on loopback (tests and the demo connect as postgres without a password; Debian's
+# default pg_hba.conf asks for one on 127.0.0.1) and logical WAL for Debezium. Returns 0 when
+# it changed a file, so the caller knows a restart is due.
+configure_postgres() {
+  local conf="/etc/postgresql/$1/main" changed=1
+  local settings="$conf/conf.d/outbox.conf"
+  local wanted
+  wanted="$(cat <<'CONF'
+# Written by outbox's scripts/services.sh: settings for tests, the demo and Debezium.
+listen_addresses = '127.0.0.1'
+wal_level = logical
+max_replication_slots = 32
+max_wal_senders = 32
+max_connections = 300
+CONF
+)"
+  if [ "$(cat "$settings" 2>/dev/null)" != "$wanted" ]; then
+    mkdir -p "$conf/conf.d"
+    printf '%s\n' "$wanted" >"$settings"
+    changed=0
+  fi
+  # pg_hba.conf is first match wins: the trust lines go on top, once.
+  if ! grep -q '^# outbox: trust on loopback' "$conf/pg_hba.conf"; then
+    local hba
+    hba="$(mktemp)"
+    {
+      echo '# outbox: trust on loopback (tests and demo only; never on a shared machine)'
+      echo 'host    all             all             127.0.0.1/32            trust'
+      echo 'host    all             all             ::1/128                 trust'
+      echo 'host    replication     all             127.0.0.1/32            trust'
+      echo 'host    replication     all             ::1/128                 trust'
+      cat "$conf/pg_hba.conf"
+    } >"$hba"
+    cat "$hba" >"$conf/pg_hba.conf"
+    rm -f "$hba"
+    changed=0
+  fi
+  return "$changed"
+}
+
 ensure_postgres() {
-  if ! command -v pg_ctlcluster >/dev/null 2>&1; then
-    log "installing PostgreSQL"
+  if [ -z "$(pg_version)" ] || ! command -v pg_ctlcluster >/dev/null 2>&1; then
+    log "installing PostgreSQL from Debian's packages"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
   fi
+  local version
+  version="$(pg_version)"
+  if configure_postgres "$version" && pg_isready -q -h 127.0.0.1 -p 5432; then
+    log "restarting PostgreSQL $version to apply its settings"
+    pg_ctlcluster --skip-systemctl-redirect "$version" main restart
+  fi
   if ! pg_isready -q -h 127.0.0.1 -p 5432; then
-    log "starting PostgreSQL"
-    local version
-    version="$(ls /etc/postgresql | sort -V | tail -n 1)"
+    log "starting PostgreSQL $version"
     pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
   fi
   wait_for "PostgreSQL" 60 pg_isready -q -h 127.0.0.1 -p 5432
+  local wal
+  wal="$(psql -h 127.0.0.1 -U postgres -tAc 'SHOW wal_level')"
+  if [ "$wal" != logical ]; then
+    log "PostgreSQL runs with wal_level=$wal; expected logical"
+    return 1
+  fi
   local db="${OUTBOX_TEST_DATABASE_URL##*/}"
   if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1; then
     psql -h 127.0.0.1 -U postgres -qc "CREATE DATABASE \"$db\""

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Starts what the tests and the demo need on this machine: PostgreSQL and the tansu broker.
-# Sourced by scripts/test and scripts/demo; safe to run again (it skips what is already up).
+# Starts what the tests and the demo need on this machine: PostgreSQL (Debian's package) and
+# Apache Kafka in KRaft mode, plus Kafka Connect with Debezium's Postgres connector for the
+# tests that need it. Installs what is missing: PostgreSQL with apt, the Kafka and Debezium
+# jars from Maven Central through the poms in services/ (resolved once into ~/.m2).
+# Sourced by scripts/test, scripts/demo, scripts/bench and scripts/chaos; safe to run again
+# (it skips what is already up).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SERVICES_DIR="$ROOT/.services"
-TANSU_VERSION="0.6.0"
-TANSU_PORT="${TANSU_PORT:-9092}"
+KAFKA_PORT="${KAFKA_PORT:-9092}"
+CONNECT_PORT="${CONNECT_PORT:-8083}"
 export OUTBOX_TEST_DATABASE_URL="${OUTBOX_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/outbox_test}"
-export OUTBOX_TEST_KAFKA="${OUTBOX_TEST_KAFKA:-127.0.0.1:$TANSU_PORT}"
+export OUTBOX_TEST_KAFKA="${OUTBOX_TEST_KAFKA:-127.0.0.1:$KAFKA_PORT}"
+export OUTBOX_TEST_CONNECT="${OUTBOX_TEST_CONNECT:-http://127.0.0.1:$CONNECT_PORT}"
+export OUTBOX_KAFKA_CLASSPATH_FILE="$SERVICES_DIR/kafka.classpath"
 export PATH="$HOME/.cargo/bin:$PATH"
 mkdir -p "$SERVICES_DIR"
 
@@ -98,32 +104,106 @@ ensure_postgres() {
   fi
 }
 
-ensure_tansu_installed() {
-  if cargo install --list | grep -q "^tansu v$TANSU_VERSION:"; then return 0; fi
-  log "installing tansu $TANSU_VERSION from crates.io (about 15 minutes on 2 cores)"
-  cargo install tansu --locked --version "$TANSU_VERSION" --features dynostore,libsql
+# resolve_jars NAME: resolves services/NAME/pom.xml and writes the jars' classpath to
+# .services/NAME.classpath. A classpath newer than its pom whose jars all exist is reused, so
+# a second run resolves nothing and needs no network.
+resolve_jars() {
+  local name="$1" pom="$ROOT/services/$1/pom.xml" out="$SERVICES_DIR/$1.classpath"
+  if [ -s "$out" ] && [ "$out" -nt "$pom" ] && jars_present "$out"; then return 0; fi
+  if ! command -v mvn >/dev/null 2>&1 || ! command -v java >/dev/null 2>&1; then
+    log "installing OpenJDK 17 and Maven from Debian's packages"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null
+  fi
+  log "resolving the $name jars from Maven Central ($pom)"
+  mvn -B -q -Dstyle.color=never -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out.tmp"
+  mv "$out.tmp" "$out"
 }
 
-# start_tansu [storage-url]: memory storage by default; pass sqlite://<dir>/tansu.db for a
-# broker whose data must survive a restart.
-start_tansu() {
-  local storage="${1:-memory://tansu/}"
-  ensure_tansu_installed
-  if port_open "$TANSU_PORT"; then
-    log "a broker already listens on 127.0.0.1:$TANSU_PORT"
+jars_present() {
+  local jar
+  for jar in $(tr ':' ' ' <"$1"); do [ -f "$jar" ] || return 1; done
+}
+
+new_cluster_id() { python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))'; }
+
+# start_kafka_node DIR NODE_ID PORT CONTROLLER_PORT VOTERS CLUSTER_ID REPLICATION: one node
+# in the background, its log in DIR/broker.log, its pid in DIR/pid.
+start_kafka_node() {
+  local dir="$1"
+  mkdir -p "$dir"
+  nohup "$ROOT/scripts/kafka-node" "$@" >>"$dir/broker.log" 2>&1 &
+  echo $! >"$dir/pid"
+}
+
+# The single broker the tests, the demo and the benchmarks use: 127.0.0.1:$KAFKA_PORT, its
+# data in .services/kafka (kept across runs; delete the directory for an empty broker).
+start_kafka() {
+  resolve_jars kafka
+  if port_open "$KAFKA_PORT"; then
+    wait_for "Kafka on 127.0.0.1:$KAFKA_PORT" 60 "$ROOT/scripts/kafka-ready" "127.0.0.1:$KAFKA_PORT"
     return 0
   fi
-  log "starting tansu on 127.0.0.1:$TANSU_PORT ($storage)"
-  nohup tansu broker \
-    --listener-url "tcp://127.0.0.1:$TANSU_PORT" \
-    --advertised-listener-url "tcp://127.0.0.1:$TANSU_PORT" \
-    --storage-engine "$storage" \
-    >"$SERVICES_DIR/tansu.log" 2>&1 &
-  echo $! >"$SERVICES_DIR/tansu.pid"
-  wait_for "tansu" 60 port_open "$TANSU_PORT" || { tail -n 50 "$SERVICES_DIR/tansu.log" >&2; return 1; }
+  local dir="$SERVICES_DIR/kafka" controller_port=$((KAFKA_PORT + 1))
+  mkdir -p "$dir"
+  [ -s "$dir/cluster.id" ] || new_cluster_id >"$dir/cluster.id"
+  log "starting Apache Kafka (KRaft) on 127.0.0.1:$KAFKA_PORT"
+  start_kafka_node "$dir" 1 "$KAFKA_PORT" "$controller_port" "1@127.0.0.1:$controller_port" \
+    "$(cat "$dir/cluster.id")" 1
+  wait_for "Kafka" 120 "$ROOT/scripts/kafka-ready" "127.0.0.1:$KAFKA_PORT" \
+    || { tail -n 50 "$dir/broker.log" >&2; return 1; }
 }
+
+# A 3-broker cluster (replication factor 3, min.insync.replicas=2) for the reliability
+# campaign: brokers on 127.0.0.1:$1, $1+1, $1+2 (default 19092), controllers on $1+100...
+# Data in .services/kafka-cluster/nodeN; prints the bootstrap list.
+start_kafka_cluster() {
+  local base="${1:-19092}" root="$SERVICES_DIR/kafka-cluster" voters="" n
+  resolve_jars kafka
+  mkdir -p "$root"
+  [ -s "$root/cluster.id" ] || new_cluster_id >"$root/cluster.id"
+  for n in 1 2 3; do voters="$voters${voters:+,}$n@127.0.0.1:$((base + 99 + n))"; done
+  for n in 1 2 3; do
+    if ! port_open $((base + n - 1)); then
+      start_kafka_node "$root/node$n" "$n" $((base + n - 1)) $((base + 99 + n)) "$voters" \
+        "$(cat "$root/cluster.id")" 3
+    fi
+  done
+  wait_for "the 3-broker Kafka cluster" 120 "$ROOT/scripts/kafka-ready" "127.0.0.1:$base" 3
+  echo "127.0.0.1:$base,127.0.0.1:$((base + 1)),127.0.0.1:$((base + 2))"
+}
+
+# Kafka Connect (standalone) with Debezium's Postgres connector on the classpath, REST API on
+# 127.0.0.1:$CONNECT_PORT. Tests create and delete their own connectors through the API.
+start_connect() {
+  resolve_jars connect
+  if curl -fsS "$OUTBOX_TEST_CONNECT/" >/dev/null 2>&1; then return 0; fi
+  local dir="$SERVICES_DIR/connect"
+  mkdir -p "$dir"
+  cat >"$dir/worker.properties" <<PROPS
+bootstrap.servers=$OUTBOX_TEST_KAFKA
+listeners=http://127.0.0.1:$CONNECT_PORT
+offset.storage.file.filename=$dir/offsets
+offset.flush.interval.ms=1000
+# Converters: connectors set their own (the tests state which they use); these are defaults.
+key.converter=org.apache.kafka.connect.storage.StringConverter
+value.converter=org.apache.kafka.connect.json.JsonConverter
+value.converter.schemas.enable=false
+header.converter=org.apache.kafka.connect.storage.SimpleHeaderConverter
+PROPS
+  log "starting Kafka Connect (standalone, Debezium $(debezium_version)) on 127.0.0.1:$CONNECT_PORT"
+  nohup java ${CONNECT_HEAP_OPTS:--Xms256m -Xmx1g} -XX:+UseG1GC -Djava.awt.headless=true \
+    "-Dlog4j2.configurationFile=$ROOT/services/kafka/log4j2.properties" \
+    -cp "$(cat "$SERVICES_DIR/connect.classpath")" \
+    org.apache.kafka.connect.cli.ConnectStandalone "$dir/worker.properties" \
+    >>"$dir/connect.log" 2>&1 &
+  echo $! >"$dir/pid"
+  wait_for "Kafka Connect" 120 curl -fsS "$OUTBOX_TEST_CONNECT/connector-plugins" \
+    || { tail -n 50 "$dir/connect.log" >&2; return 1; }
+}
+
+debezium_version() { grep -o '<debezium.version>[^<]*' "$ROOT/services/connect/pom.xml" | cut -d'>' -f2; }
 
 ensure_services() {
   ensure_postgres
-  start_tansu
+  start_kafka
 }

@@ -1,7 +1,7 @@
 //! `outbox-bench`: what users pick the framework for, each figure a ratio against a baseline
 //! measured in the same invocation, variants interleaved (A B A B) so drift hits both.
 //!
-//! Needs PostgreSQL and tansu (`scripts/bench` starts them). Prints a table and writes JSON.
+//! Needs PostgreSQL and Apache Kafka (`scripts/bench` starts them). Prints a table and writes JSON.
 
 mod memory;
 mod p1_write;

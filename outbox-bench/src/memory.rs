@@ -110,14 +110,14 @@ pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
         .await?;
     match role {
         Role::Idle => {
-            let _relay = p2_relay::relay(&pool, settings, true)?;
+            let _relay = p2_relay::relay(&pool, settings)?;
             let stream: StreamConsumer =
                 consumer_config(&kafka_bootstrap(), &unique("idle")).create()?;
             stream.subscribe(&[topic])?;
             stream.fetch_metadata(Some(topic), Duration::from_secs(10))?;
         }
         Role::Relay => {
-            let relay = p2_relay::relay(&pool, settings, true)?;
+            let relay = p2_relay::relay(&pool, settings)?;
             let mut published = 0;
             loop {
                 let report = relay.run_once().await?;

@@ -40,21 +40,11 @@ pub(crate) async fn fill(pool: &PgPool, topic: &str, events: usize) -> Result<()
     Ok(())
 }
 
-/// The relay under test. `single_record_batches` when a `dedup_consume` consumer will read
-/// the topic from behind: it pauses and resumes partitions, and tansu's memory storage answers
-/// a fetch from inside a record batch with the next batch, skipping the rest of this one.
-pub(crate) fn relay(
-    pool: &PgPool,
-    settings: &Settings,
-    single_record_batches: bool,
-) -> Result<Relay> {
-    let mut kafka = producer_config(&kafka_bootstrap());
-    if single_record_batches {
-        kafka.set("batch.num.messages", "1");
-    }
+/// The relay under test, with the producer configuration users get.
+pub(crate) fn relay(pool: &PgPool, settings: &Settings) -> Result<Relay> {
     Ok(Relay::new(
         pool.clone(),
-        &kafka,
+        &producer_config(&kafka_bootstrap()),
         RelayConfig::default().batch_size(settings.batch_size),
     )?)
 }
@@ -196,8 +186,8 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         .await?;
 
     let (relay_empty, relay_grown) = (
-        relay(&empty.pool, settings, false)?,
-        relay(&grown.pool, settings, false)?,
+        relay(&empty.pool, settings)?,
+        relay(&grown.pool, settings)?,
     );
     let [
         mut relayed,

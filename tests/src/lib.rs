@@ -92,7 +92,8 @@ impl TestDb {
     }
 }
 
-/// Creates `topic` with `partitions` partitions on the broker (tansu does not auto-create).
+/// Creates `topic` with `partitions` partitions on the broker (the test broker does not
+/// auto-create topics).
 pub async fn create_topic(topic: &str, partitions: i32) -> Result<()> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", kafka_bootstrap())

@@ -1,4 +1,4 @@
-//! The consumer half end to end: real Postgres, real tansu broker.
+//! The consumer half end to end: real Postgres, real Apache Kafka broker.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,5 +1,5 @@
 //! How the consumer's poll loop copes with slow partitions and rebalances: real Postgres,
-//! real tansu broker.
+//! real Apache Kafka broker.
 
 use std::time::Duration;
 
@@ -26,10 +26,9 @@ struct Order {
 async fn send_many(topic: &str, partition: i32, key: &str, count: i64) -> Result<()> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", kafka_bootstrap())
+        // Many records per batch, so that a paused and resumed partition fetches from inside
+        // one (what a broker must serve correctly; tansu's memory storage did not).
         .set("linger.ms", "5")
-        // One record per batch: tansu's memory storage answers a fetch from inside a batch
-        // with the next batch (or nothing), and a resumed partition fetches from mid-batch.
-        .set("batch.num.messages", "1")
         .create()?;
     let sends = (0..count).map(|n| {
         let id = EventId::new().to_string();

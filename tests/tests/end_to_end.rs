@@ -1,4 +1,4 @@
-//! Producer enqueue -> relay -> tansu -> dedup_consume, with forced duplicates.
+//! Producer enqueue -> relay -> Kafka -> dedup_consume, with forced duplicates.
 
 use std::time::Duration;
 

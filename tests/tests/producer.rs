@@ -1,4 +1,4 @@
-//! The producer half end to end: real Postgres, real tansu broker.
+//! The producer half end to end: real Postgres, real Apache Kafka broker.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
@@ -324,7 +324,7 @@ async fn oversized_row_holds_its_key_back_under_block_key() -> Result<()> {
 async fn transient_failure_retries_with_backoff_then_quarantines_while_others_flow() -> Result<()> {
     let db = TestDb::new().await?;
     let topic = random_topic(1).await?;
-    // Tansu does not auto-create topics: publishing here fails until the topic exists.
+    // The test broker does not auto-create topics: publishing here fails until the topic exists.
     let doomed = event(&unique("outbox.missing"), "a", 0)?;
     let mut tx = db.pool.begin().await?;
     outbox_producer::enqueue(&mut tx, &doomed).await?;

@@ -2,7 +2,7 @@
 //! step between the decision and the charge. After every restart, each decision was made once
 //! and each invoice charged once.
 //!
-//! Needs PostgreSQL and the tansu broker (`scripts/demo` starts both and runs this).
+//! Needs PostgreSQL and Apache Kafka (`scripts/demo` starts both and runs this).
 
 use std::time::Duration;
 

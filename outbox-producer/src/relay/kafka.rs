@@ -12,6 +12,11 @@ const REQUIRED: &[(&str, &str)] = &[
     // Retries inside librdkafka keep per-partition order and never duplicate.
     ("enable.idempotence", "true"),
     ("acks", "all"),
+    // Java's partitioner (murmur2 of the key bytes), which Debezium, Kafka Connect and every
+    // Java producer use. librdkafka's default (`consistent_random`, CRC32) puts a key on
+    // another partition than a Java client would, so after a switch between the relay and
+    // Debezium a key's events would sit on two partitions and per-key order would break.
+    ("partitioner", "murmur2_random"),
 ];
 
 /// A producer configuration for `bootstrap_servers` with the relay's required settings and

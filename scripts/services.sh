@@ -138,6 +138,10 @@ start_kafka_node() {
 # The single broker the tests, the demo and the benchmarks use: 127.0.0.1:$KAFKA_PORT, its
 # data in .services/kafka (kept across runs; delete the directory for an empty broker).
 start_kafka() {
+  if [ "$OUTBOX_TEST_KAFKA" != "127.0.0.1:$KAFKA_PORT" ]; then
+    log "using the broker at $OUTBOX_TEST_KAFKA (OUTBOX_TEST_KAFKA); starting none"
+    return 0
+  fi
   resolve_jars kafka
   if port_open "$KAFKA_PORT"; then
     wait_for "Kafka on 127.0.0.1:$KAFKA_PORT" 60 "$ROOT/scripts/kafka-ready" "127.0.0.1:$KAFKA_PORT"

@@ -92,12 +92,13 @@ pub(crate) fn partition_queue(
 }
 
 impl PartitionSender {
-    /// Queues `item` without waiting; `Err` gives it back when the worker has stopped.
+    /// Queues `item` without waiting; `Ok(true)` when this push paused the partition's fetch,
+    /// `Err` gives the item back when the worker has stopped.
     pub(crate) fn push<C: ConsumerContext>(
         &self,
         consumer: &StreamConsumer<C>,
         item: Queued,
-    ) -> Result<(), Queued> {
+    ) -> Result<bool, Queued> {
         // Counted before it is sent, so the worker never takes it out before it is counted.
         let len = self.flow.len.fetch_add(1, Ordering::SeqCst) + 1;
         if let Err(closed) = self.tx.send(item) {
@@ -112,10 +113,12 @@ impl PartitionSender {
             let len = self.flow.len.load(Ordering::SeqCst);
             if len >= high && (!*paused || len.is_multiple_of(high)) {
                 self.flow.set_paused(consumer, true);
+                let paused_now = !*paused;
                 *paused = true;
+                return Ok(paused_now);
             }
         }
-        Ok(())
+        Ok(false)
     }
 }
 
@@ -177,10 +180,13 @@ mod tests {
         const LOW: usize = HIGH / 4;
         let (tx, mut rx) = partition_queue("t", 0, HIGH);
         for offset in 0..HIGH as i64 - 1 {
-            tx.push(&consumer, queued(offset)).expect("open");
+            assert!(!tx.push(&consumer, queued(offset)).expect("open"));
         }
         assert!(!paused(&rx), "below the high mark");
-        tx.push(&consumer, queued(HIGH as i64 - 1)).expect("open");
+        assert!(
+            tx.push(&consumer, queued(HIGH as i64 - 1)).expect("open"),
+            "the push that pauses says so (counted in stats)"
+        );
         assert!(paused(&rx), "at the high mark");
 
         let mut next = 0;

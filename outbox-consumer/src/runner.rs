@@ -149,7 +149,9 @@ where
                     tx
                 });
             // An `Err` means the worker stopped; join_next reports why.
-            let _ = queue.push(&consumer, Queued { message, epoch });
+            if let Ok(true) = queue.push(&consumer, Queued { message, epoch }) {
+                self.count_pause();
+            }
         };
         drop(queues);
         let mut result = result;

@@ -18,6 +18,9 @@ use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
+mod java_partitioner;
+pub use java_partitioner::{java_partition, murmur2};
+
 /// The Postgres database the tests use; each test gets its own schema in it.
 pub fn database_url() -> String {
     std::env::var("OUTBOX_TEST_DATABASE_URL")

@@ -9,7 +9,8 @@ use outbox_producer::{
     RelayConfig, TableNames, producer_config,
 };
 use outbox_tests::{
-    TestDb, count_status, eventually, kafka_bootstrap, random_topic, read_all, unique,
+    TestDb, count_status, eventually, java_partition, kafka_bootstrap, random_topic, read_all,
+    unique,
 };
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -107,6 +108,44 @@ async fn commit_publishes_and_rollback_publishes_nothing() -> Result<()> {
         ["inv-1"],
         "state and intent commit and roll back together"
     );
+    Ok(())
+}
+
+/// Debezium and every Java producer put a key on `murmur2(key) % partitions`; the relay must
+/// too, or a key's events split across two partitions when a topic has both writers (the
+/// switch to CDC and back) and per-key order breaks at the consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_partitions_keys_as_java_clients_do() -> Result<()> {
+    const PARTITIONS: i32 = 6;
+    let db = TestDb::new().await?;
+    let topic = random_topic(PARTITIONS).await?;
+    let keys: Vec<String> = (0..64).map(|n| format!("order-{n}")).collect();
+    let events = keys
+        .iter()
+        .enumerate()
+        .map(|(n, key)| event(&topic, key, n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue_all(&mut tx, &events).await?;
+    tx.commit().await?;
+    drain(&relay(&db, RelayConfig::default())?).await?;
+
+    let records = read_all(&topic, PARTITIONS, READ_TIMEOUT).await?;
+    assert_eq!(records.len(), keys.len());
+    let used: HashSet<i32> = records.iter().map(|r| r.partition).collect();
+    assert_eq!(
+        used.len(),
+        PARTITIONS as usize,
+        "64 keys reach every partition"
+    );
+    for r in &records {
+        assert_eq!(
+            r.partition,
+            java_partition(r.key.as_bytes(), PARTITIONS),
+            "key {} is on the partition a Java producer would choose",
+            r.key
+        );
+    }
     Ok(())
 }
 

@@ -77,7 +77,12 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
     };
     shutdown.cancel();
     relaying.await??;
-    consuming.await??;
+    match consuming.await? {
+        // The crash fired on one partition while the other partitions' workers charged the
+        // rest, so every task was charged before the consumer's run loop reported it.
+        Err(ConsumerError::InjectedFault(_)) => die(CrashPoint::AfterHandlerCommit),
+        ended => ended?,
+    }
     done
 }
 

@@ -308,3 +308,8 @@ pub async fn produce_raw(
         .map_err(|(e, _)| e)?;
     Ok((delivery.partition, delivery.offset))
 }
+
+pub mod connect;
+pub use connect::{
+    OutboxConnector, PayloadMode, connect_request, connect_url, outbox_connector_config,
+};

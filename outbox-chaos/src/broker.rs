@@ -1,5 +1,9 @@
-//! The run's own `tansu` broker, on a free port, with `sqlite://` storage in the run's
-//! directory so that its data survives the restarts the harness inflicts on it.
+//! The run's own Apache Kafka broker (one KRaft node, broker and controller in one process),
+//! started through `scripts/kafka-node` on free ports with its data in the run's directory,
+//! so that its log survives the restarts the harness inflicts on it.
+//!
+//! `scripts/kafka-node` `exec`s java, so the child's pid is the broker's: `kill -9` of it is
+//! a broker crash and SIGTERM a clean (controlled) shutdown.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -8,59 +12,120 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-/// A tansu process that can be stopped and started again on the same port and storage.
+/// How long a broker start (the JVM, log recovery after a crash, the KRaft quorum) may take
+/// before the harness gives up. On 2 busy cores a start takes a few seconds; the first one
+/// also formats the storage.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long a SIGTERM'ed broker may take to shut down before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How the broker goes down in a broker fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Down {
+    /// SIGTERM: a controlled shutdown, awaited to the process's exit.
+    Clean,
+    /// `kill -9`: a crash; the next start recovers the log.
+    Kill9,
+}
+
+/// A Kafka process that can be stopped and started again on the same ports and storage.
 #[derive(Debug)]
 pub(crate) struct Broker {
-    bin: PathBuf,
+    /// `scripts/kafka-node`.
+    node_script: PathBuf,
+    /// `scripts/kafka-ready`.
+    ready_script: PathBuf,
+    classpath_file: PathBuf,
+    /// The node's directory: `server.properties`, `data/`, `broker.log`.
     dir: PathBuf,
     port: u16,
+    controller_port: u16,
+    cluster_id: String,
     child: Option<Child>,
-    /// Length of `tansu.log` when the current process started: what it wrote since is after.
-    log_start: u64,
+    /// Started but not yet seen ready.
+    starting: bool,
+    /// When the current process was started (for the readiness log line).
+    started_at: Instant,
 }
 
-/// The tansu binary: `TANSU_BIN`, else `$CARGO_HOME/bin/tansu`, else `~/.cargo/bin/tansu`,
-/// else `tansu` on the `PATH`.
-pub(crate) fn find_tansu() -> PathBuf {
-    if let Some(bin) = std::env::var_os("TANSU_BIN") {
-        return bin.into();
-    }
-    let candidates = [
-        std::env::var_os("CARGO_HOME").map(|h| PathBuf::from(h).join("bin/tansu")),
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin/tansu")),
-    ];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| "tansu".into())
-}
-
-fn free_port() -> Result<u16> {
-    // Port 9092 belongs to the test suite's shared broker; the OS never hands it out here.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
-}
-
-fn port_open(port: u16) -> bool {
-    std::net::TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_millis(200),
+/// The repository's root: `OUTBOX_REPO_ROOT`, else this crate's parent directory as known at
+/// compile time.
+fn repo_root() -> PathBuf {
+    std::env::var_os("OUTBOX_REPO_ROOT").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join(".."),
+        PathBuf::from,
     )
-    .is_ok()
+}
+
+/// Two distinct free ports (broker, controller). Port 9092 belongs to the test suite's shared
+/// broker; the OS never hands it out here.
+fn free_ports() -> Result<(u16, u16)> {
+    let a = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let b = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
+}
+
+/// A KRaft cluster id: a random UUID in unpadded base64url (22 characters).
+fn new_cluster_id() -> String {
+    base64url(&uuid::Uuid::new_v4().into_bytes())
+}
+
+/// Unpadded base64url.
+fn base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0_u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
+        }
+    }
+    out
 }
 
 impl Broker {
-    /// Starts tansu with its data in `dir` and waits until it accepts connections.
-    pub(crate) async fn start(dir: &Path) -> Result<Self> {
+    /// Starts a broker with its node directory under `run_dir` and waits until it serves
+    /// metadata requests.
+    pub(crate) async fn start(run_dir: &Path) -> Result<Self> {
+        let root = repo_root();
+        let classpath_file = std::env::var_os("OUTBOX_KAFKA_CLASSPATH_FILE")
+            .map_or_else(|| root.join(".services/kafka.classpath"), PathBuf::from);
+        let has_classpath = std::fs::metadata(&classpath_file).is_ok_and(|m| m.len() > 0);
+        if !has_classpath {
+            bail!(
+                "no Kafka classpath at {} (run `source scripts/services.sh && resolve_jars kafka` \
+                 first, or set OUTBOX_KAFKA_CLASSPATH_FILE)",
+                classpath_file.display()
+            );
+        }
+        let node_script = root.join("scripts/kafka-node");
+        if !node_script.is_file() {
+            bail!(
+                "{} not found (set OUTBOX_REPO_ROOT to the repository's root)",
+                node_script.display()
+            );
+        }
+        let (port, controller_port) = free_ports()?;
+        let dir = run_dir.join("kafka");
+        std::fs::create_dir_all(&dir)?;
         let mut broker = Self {
-            bin: find_tansu(),
-            dir: dir.to_owned(),
-            port: free_port()?,
+            node_script,
+            ready_script: root.join("scripts/kafka-ready"),
+            classpath_file,
+            dir,
+            port,
+            controller_port,
+            cluster_id: new_cluster_id(),
             child: None,
-            log_start: 0,
+            starting: false,
+            started_at: Instant::now(),
         };
-        broker.spawn().await?;
+        broker.spawn()?;
+        broker.wait_ready().await?;
         Ok(broker)
     }
 
@@ -69,97 +134,132 @@ impl Broker {
         format!("127.0.0.1:{}", self.port)
     }
 
-    async fn spawn(&mut self) -> Result<()> {
-        let url = format!("tcp://127.0.0.1:{}", self.port);
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("broker.log")
+    }
+
+    /// Starts the process; does not wait for it to be ready (see [`Self::wait_ready`]).
+    fn spawn(&mut self) -> Result<()> {
         let log = File::options()
             .create(true)
             .append(true)
-            .open(self.dir.join("tansu.log"))?;
-        self.log_start = log.metadata()?.len();
-        let child = Command::new(&self.bin)
+            .open(self.log_path())?;
+        let voters = format!("1@127.0.0.1:{}", self.controller_port);
+        let child = Command::new(&self.node_script)
+            .arg(&self.dir)
             .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
+                "1",
+                &self.port.to_string(),
+                &self.controller_port.to_string(),
+                &voters,
+                &self.cluster_id,
+                "1",
             ])
-            // tansu resolves sqlite://NAME against its working directory.
-            .args(["--storage-engine", "sqlite://tansu.db"])
-            .current_dir(&self.dir)
+            .env("OUTBOX_KAFKA_CLASSPATH_FILE", &self.classpath_file)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
-            .with_context(|| {
-                format!(
-                    "starting {} (install tansu 0.6.0, or set TANSU_BIN)",
-                    self.bin.display()
-                )
-            })?;
+            .with_context(|| format!("starting {}", self.node_script.display()))?;
+        tracing::debug!(pid = child.id(), port = self.port, "broker process started");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !port_open(self.port) {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                bail!(
-                    "tansu exited with {status} at start; see {}",
-                    self.dir.join("tansu.log").display()
-                );
-            }
-            if Instant::now() >= deadline {
-                bail!("tansu did not listen on port {} within 60 s", self.port);
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        self.starting = true;
+        self.started_at = Instant::now();
+        Ok(())
+    }
+
+    /// Fails if the broker process has exited without being asked to (it crashed, or could
+    /// not start).
+    pub(crate) fn check_alive(&mut self) -> Result<()> {
+        let Some(child) = self.child.as_mut() else {
+            bail!("the broker is not running");
+        };
+        if let Some(status) = child.try_wait()? {
+            self.child = None;
+            bail!(
+                "the broker exited by itself ({status}); see {}",
+                self.log_path().display()
+            );
         }
         Ok(())
     }
 
-    /// Stops the broker: SIGTERM, then SIGKILL if it has not exited within 10 s.
+    /// Whether the broker serves requests: one Metadata request (`scripts/kafka-ready`) must
+    /// list it; an open port alone is a broker still recovering its log or joining its quorum.
+    /// `true` at once when it was seen ready since its last start.
+    pub(crate) async fn poll_ready(&mut self) -> Result<bool> {
+        if !self.starting {
+            return Ok(true);
+        }
+        self.check_alive()?;
+        let ready = tokio::process::Command::new(&self.ready_script)
+            .arg(self.address())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .with_context(|| format!("running {}", self.ready_script.display()))?;
+        if ready.success() {
+            self.starting = false;
+            tracing::info!(took = ?self.started_at.elapsed(), "broker ready");
+        }
+        Ok(ready.success())
+    }
+
+    /// Waits until [`Self::poll_ready`] holds, within [`START_TIMEOUT`] of the last start.
+    pub(crate) async fn wait_ready(&mut self) -> Result<()> {
+        let deadline = self.started_at + START_TIMEOUT;
+        while !self.poll_ready().await? {
+            if Instant::now() >= deadline {
+                bail!(
+                    "the broker on port {} was not ready within {START_TIMEOUT:?}; see {}",
+                    self.port,
+                    self.log_path().display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(())
+    }
+
+    /// Stops the broker cleanly: SIGTERM, then waits for the process to exit (`kill -9` if it
+    /// has not within a minute, which is an error: a clean stop that needs a kill is not one).
     pub(crate) async fn stop(&mut self) -> Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
+        let began = Instant::now();
         crate::fleet::send_sigterm(child.id());
-        let deadline = Instant::now() + Duration::from_secs(10);
         while child.try_wait()?.is_none() {
-            if Instant::now() >= deadline {
-                tracing::warn!("tansu ignored SIGTERM for 10 s; killing it");
+            if began.elapsed() >= STOP_TIMEOUT {
                 child.kill()?;
                 child.wait()?;
-                break;
+                bail!(
+                    "the broker ignored SIGTERM for {STOP_TIMEOUT:?} and was killed; see {}",
+                    self.log_path().display()
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        tracing::debug!(took = ?began.elapsed(), "broker stopped");
         Ok(())
     }
 
-    /// Whether the running broker's storage has died: tansu 0.6.0's sqlite storage task can
-    /// panic (`lite.rs`, an idempotent produce with an epoch it does not know, after
-    /// librdkafka bumped the epoch of a producer whose request timed out), after which the
-    /// process still accepts connections but answers every request with `UnableToSend`.
-    pub(crate) fn storage_dead(&self) -> Result<bool> {
-        use std::io::{Read, Seek, SeekFrom};
-        let mut log = File::open(self.dir.join("tansu.log"))?;
-        log.seek(SeekFrom::Start(self.log_start))?;
-        let mut text = Vec::new();
-        log.read_to_end(&mut text)?;
-        let text = String::from_utf8_lossy(&text);
-        Ok(text.contains("UnableToSend") || text.contains("tansu-storage-0.6.0/src/lite.rs"))
-    }
-
-    /// Kills the broker (`kill -9`: a crash, so no request is answered half shut down), keeps
-    /// it down for `downtime`, and starts it again on the same port and storage.
-    pub(crate) async fn restart(&mut self, downtime: Duration) -> Result<()> {
-        if let Some(mut child) = self.child.take() {
-            child.kill()?;
-            child.wait()?;
+    /// Takes the broker down (`how`), keeps it down for `downtime`, and starts it again on the
+    /// same ports and storage. Does not wait for it to be ready: the run goes on meanwhile, as
+    /// clients of a restarting broker do; [`Self::wait_ready`] awaits it.
+    pub(crate) async fn restart(&mut self, how: Down, downtime: Duration) -> Result<()> {
+        match how {
+            Down::Clean => self.stop().await?,
+            Down::Kill9 => {
+                if let Some(mut child) = self.child.take() {
+                    child.kill()?;
+                    child.wait()?;
+                }
+            }
         }
         tokio::time::sleep(downtime).await;
-        self.spawn().await
+        self.spawn()
     }
 }
 
@@ -169,5 +269,38 @@ impl Drop for Broker {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64url_matches_the_standard_encoding() {
+        // Python: base64.urlsafe_b64encode(bytes(range(250, 256)) + bytes(range(10))), '=' cut.
+        let bytes: Vec<u8> = (250..=255).chain(0..10).collect();
+        assert_eq!(base64url(&bytes), "-vv8_f7_AAECAwQFBgcICQ");
+        assert_eq!(base64url(&[0; 16]), "AAAAAAAAAAAAAAAAAAAAAA");
+    }
+
+    #[test]
+    fn cluster_ids_are_22_base64url_characters_and_differ() {
+        let a = new_cluster_id();
+        let b = new_cluster_id();
+        assert_eq!(a.len(), 22, "{a}");
+        assert!(
+            a.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_'),
+            "{a}"
+        );
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn free_ports_are_two_distinct_ports() {
+        let (a, b) = free_ports().unwrap();
+        assert_ne!(a, b);
+        assert_ne!(a, 0);
     }
 }

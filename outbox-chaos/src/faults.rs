@@ -10,7 +10,7 @@ use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 
-use crate::broker::Broker;
+use crate::broker::{Broker, Down};
 use crate::db::ChaosDb;
 use crate::fleet::{Fleet, Role, lock};
 use crate::profile::Profile;
@@ -29,34 +29,17 @@ pub(crate) struct Chaos<'a> {
     extras: u32,
 }
 
-/// How long a consumer runs before the loop may `kill -9` it: longer than the session
-/// timeout (6 s), so it has joined its group.
-const CONSUMER_MIN_AGE: Duration = Duration::from_secs(8);
-
-/// Faults the loop picks from, with weights.
-const MENU: [(Kind, u32); 6] = [
-    (Kind::RelayKill, 6),
-    (Kind::ConsumerKill, 6),
-    (Kind::ProducerKill, 2),
-    (Kind::PgTerminate, 3),
+/// Faults the loop picks from, with weights. Consumers are killed at any moment, a member
+/// still joining its group included.
+const MENU: [(Kind, u32); 7] = [
+    (Kind::RelayKill, 12),
+    (Kind::ConsumerKill, 12),
+    (Kind::ProducerKill, 4),
+    (Kind::PgTerminate, 6),
     (Kind::BrokerRestart, 2),
-    (Kind::Rebalance, 3),
+    (Kind::BrokerKill, 2),
+    (Kind::Rebalance, 6),
 ];
-
-/// Restarts the broker if its storage died (a tansu defect, see [`Broker::storage_dead`]) and
-/// recycles the relays, whose producers may carry an epoch the broker no longer knows.
-/// Counted in `broker_recoveries`, not as a fault.
-pub(crate) async fn heal_broker(broker: &mut Broker, fleet: &Mutex<Fleet>) -> Result<()> {
-    if !broker.storage_dead()? {
-        return Ok(());
-    }
-    tracing::warn!("broker storage died (tansu panic); restarting the broker and the relays");
-    broker.restart(Duration::ZERO).await?;
-    let mut f = lock(fleet);
-    f.recycle_relays();
-    f.broker_recoveries += 1;
-    Ok(())
-}
 
 impl<'a> Chaos<'a> {
     pub(crate) fn new(
@@ -102,7 +85,7 @@ impl<'a> Chaos<'a> {
             let gap = Duration::from_millis(self.rng.random_range(lo..=hi));
             tokio::time::sleep(gap.min(end.saturating_duration_since(Instant::now()))).await;
             lock(self.fleet).reap()?;
-            heal_broker(self.broker, self.fleet).await?;
+            self.broker.check_alive()?;
             if poison_done < rounds && Instant::now() >= poison_due[poison_done as usize] {
                 match self.inject_poison(poison_done).await {
                     Ok(injected) => {
@@ -119,7 +102,14 @@ impl<'a> Chaos<'a> {
                 }
                 continue;
             }
-            let kind = MENU
+            // A broker still starting from the last broker fault is not taken down again: the
+            // loop goes on with the other faults meanwhile (a JVM start takes seconds here).
+            let broker_up = self.broker.poll_ready().await?;
+            let menu: Vec<(Kind, u32)> = MENU
+                .into_iter()
+                .filter(|(k, _)| broker_up || !matches!(k, Kind::BrokerRestart | Kind::BrokerKill))
+                .collect();
+            let kind = menu
                 .choose_weighted(&mut self.rng, |(_, w)| *w)
                 .map(|(k, _)| *k)
                 .unwrap_or(Kind::RelayKill);
@@ -130,7 +120,7 @@ impl<'a> Chaos<'a> {
         // checks every kind of malformed record.
         let mut attempts = 0;
         while poison_done < rounds {
-            heal_broker(self.broker, self.fleet).await?;
+            self.broker.wait_ready().await?;
             match self.inject_poison(poison_done).await {
                 Ok(_) => poison_done += 1,
                 Err(error) if attempts < 5 => {
@@ -159,23 +149,6 @@ impl<'a> Chaos<'a> {
         lock(self.fleet).live(filter).choose(&mut self.rng).copied()
     }
 
-    /// A consumer that has had time to join its group. Killing members again and again while
-    /// they are still joining drives tansu's coordinator into a state where the group stays
-    /// steady with nothing assigned (a broker bug, see `Fleet::restart_group`); a member that
-    /// has joined is fair game.
-    fn pick_joined_consumer(&mut self) -> Option<usize> {
-        lock(self.fleet)
-            .live_for(CONSUMER_MIN_AGE, |r| matches!(r, Role::Consumer { .. }))
-            .choose(&mut self.rng)
-            .copied()
-    }
-
-    /// A member of a group (see [`Self::pick_joined_consumer`] for why joined).
-    fn pick_joined_member(&mut self, filter: &impl Fn(&Role) -> bool) -> Option<usize> {
-        let members = lock(self.fleet).live_for(CONSUMER_MIN_AGE, filter);
-        members.choose(&mut self.rng).copied()
-    }
-
     async fn inject(&mut self, kind: Kind) -> Result<()> {
         match kind {
             Kind::RelayKill => {
@@ -184,7 +157,7 @@ impl<'a> Chaos<'a> {
                 }
             }
             Kind::ConsumerKill => {
-                if let Some(i) = self.pick_joined_consumer() {
+                if let Some(i) = self.pick(|r| matches!(r, Role::Consumer { .. })) {
                     lock(self.fleet).kill(i)?;
                 }
             }
@@ -198,11 +171,16 @@ impl<'a> Chaos<'a> {
                 tracing::info!(terminated, "fault: pg_terminate_backend");
                 lock(self.fleet).counts.add(kind, 1);
             }
-            Kind::BrokerRestart => {
+            Kind::BrokerRestart | Kind::BrokerKill => {
+                let how = if kind == Kind::BrokerKill {
+                    Down::Kill9
+                } else {
+                    Down::Clean
+                };
                 let downtime = Duration::from_millis(self.rng.random_range(300..3000));
-                tracing::info!(?downtime, "fault: broker stop");
-                self.broker.restart(downtime).await?;
-                tracing::info!("fault: broker started again");
+                tracing::info!(?how, ?downtime, "fault: broker down");
+                self.broker.restart(how, downtime).await?;
+                tracing::info!("fault: broker starting again");
                 lock(self.fleet).counts.add(kind, 1);
             }
             Kind::Rebalance => self.rebalance().await?,
@@ -228,7 +206,7 @@ impl<'a> Chaos<'a> {
             tokio::time::sleep(stay).await;
             tracing::info!(%label, "fault: rebalance, member leaves");
             lock(self.fleet).stop(index, false);
-        } else if let Some(i) = self.pick_joined_member(&in_group) {
+        } else if let Some(i) = self.pick(in_group) {
             let mut fleet = lock(self.fleet);
             tracing::info!(
                 label = fleet.label(i),

@@ -46,8 +46,6 @@ pub(crate) enum Role {
 enum Expect {
     Killed,
     Stopped,
-    /// Killed to recover from a broker failure, not as a fault: not counted.
-    Recycled,
 }
 
 #[derive(Debug)]
@@ -57,8 +55,6 @@ struct Slot {
     child: Option<Child>,
     /// Respawn when it exits.
     keep: bool,
-    /// When the current process was started.
-    started: Instant,
     expect: Option<Expect>,
 }
 
@@ -88,14 +84,6 @@ pub(crate) struct Fleet {
     pub(crate) counts: Counts,
     /// Deaths nobody planned: each a description.
     pub(crate) unexpected: Vec<String>,
-    /// Consumer groups restarted because they stopped making progress (see
-    /// [`Fleet::restart_group`]).
-    pub(crate) group_restarts: u64,
-    /// Times the broker's storage died and the broker was restarted (see
-    /// `faults::heal_broker`).
-    pub(crate) broker_recoveries: u64,
-    /// Per consumer group, how often it was re-formed under a new Kafka `group.id`.
-    kafka_group_epochs: std::collections::HashMap<String, u32>,
 }
 
 impl Fleet {
@@ -107,9 +95,6 @@ impl Fleet {
             faults_on: true,
             counts: Counts::default(),
             unexpected: Vec::new(),
-            group_restarts: 0,
-            broker_recoveries: 0,
-            kafka_group_epochs: std::collections::HashMap::new(),
         }
     }
 
@@ -120,7 +105,6 @@ impl Fleet {
             role,
             child: None,
             keep,
-            started: Instant::now(),
             expect: None,
         });
         let index = self.slots.len() - 1;
@@ -167,9 +151,6 @@ impl Fleet {
             }
             Role::Consumer { group } => {
                 let mut a = vec!["consumer".into(), format!("--group={group}")];
-                if let Some(epoch) = self.kafka_group_epochs.get(group) {
-                    a.push(format!("--kafka-group={group}.re{epoch}"));
-                }
                 if self.faults_on && self.rng.random_bool(0.4) {
                     a.push(format!(
                         "--crash-after-commit-ms={}",
@@ -205,7 +186,6 @@ impl Fleet {
         tracing::debug!(label = %slot.label, pid = child.id(), args = ?role_args, "started");
         let slot = &mut self.slots[index];
         slot.child = Some(child);
-        slot.started = Instant::now();
         slot.expect = None;
         Ok(())
     }
@@ -258,9 +238,7 @@ impl Fleet {
             }
             // Asked to stop: a clean exit, or SIGTERM's default action when it arrived before
             // the freshly started process had installed its handler.
-            (Some(Expect::Stopped), _, true)
-            | (Some(Expect::Stopped), Some(15), _)
-            | (Some(Expect::Recycled), Some(9), _) => {}
+            (Some(Expect::Stopped), _, true) | (Some(Expect::Stopped), Some(15), _) => {}
             _ => {
                 let what = format!(
                     "{label} exited unexpectedly ({status}); see {}",
@@ -272,17 +250,12 @@ impl Fleet {
         }
     }
 
-    /// Labels of live children matching `filter`.
+    /// Live children matching `filter`.
     pub(crate) fn live(&self, filter: impl Fn(&Role) -> bool) -> Vec<usize> {
-        self.live_for(Duration::ZERO, filter)
-    }
-
-    /// Live children matching `filter` that have been running for at least `age`.
-    pub(crate) fn live_for(&self, age: Duration, filter: impl Fn(&Role) -> bool) -> Vec<usize> {
         (0..self.slots.len())
             .filter(|&i| {
                 let slot = &self.slots[i];
-                slot.child.is_some() && slot.started.elapsed() >= age && filter(&slot.role)
+                slot.child.is_some() && filter(&slot.role)
             })
             .collect()
     }
@@ -302,21 +275,6 @@ impl Fleet {
         Ok(())
     }
 
-    /// `kill -9` of every live relay, not counted as a fault: after tansu lost its storage, a
-    /// relay's producer may be stuck with an epoch the restarted broker does not know (and
-    /// that panics it again); a new process starts with a new producer id.
-    pub(crate) fn recycle_relays(&mut self) {
-        for index in self.live(|r| matches!(r, Role::Relay { .. })) {
-            let slot = &mut self.slots[index];
-            if let Some(child) = slot.child.as_mut() {
-                if slot.expect.is_none() {
-                    slot.expect = Some(Expect::Recycled);
-                }
-                let _ = child.kill();
-            }
-        }
-    }
-
     /// SIGTERM: a graceful stop; `keep` says whether to start it again once it has exited.
     pub(crate) fn stop(&mut self, index: usize, keep: bool) {
         let slot = &mut self.slots[index];
@@ -328,23 +286,6 @@ impl Fleet {
             }
             send_sigterm(child.id());
         }
-    }
-
-    /// Re-forms consumer group `group`: stops its live members gracefully and starts them
-    /// again under a new Kafka `group.id` (same dedup scope). They read the topic from the
-    /// start, and the dedup table must absorb every record they had already handled. This is
-    /// the way out of a tansu coordinator that answers a new leader's SyncGroup with a stale,
-    /// empty assignment and keeps the group steady with no partition assigned (seen after
-    /// members were killed during a rebalance); restarting under the same `group.id` does not
-    /// clear it.
-    pub(crate) fn restart_group(&mut self, group: &str) {
-        *self.kafka_group_epochs.entry(group.to_owned()).or_default() += 1;
-        let members = self.live(|r| matches!(r, Role::Consumer { group: g } if g == group));
-        for index in members {
-            let keep = self.slots[index].keep;
-            self.stop(index, keep);
-        }
-        self.group_restarts += 1;
     }
 
     /// Whether the child in `index` has exited (and been reaped).

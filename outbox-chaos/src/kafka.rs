@@ -11,7 +11,8 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 
-/// Creates `topic` (tansu does not auto-create), retrying until the broker answers.
+/// Creates `topic` (the broker does not auto-create topics), retrying until the broker
+/// answers.
 pub(crate) async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> Result<()> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)

@@ -1,7 +1,8 @@
 //! `outbox-chaos`: the reliability chaos harness (issue #4).
 //!
 //! It runs the framework the way production does — separate OS processes against the real
-//! Postgres and a real Kafka-protocol broker (its own `tansu` with `sqlite://` storage) — and
+//! Postgres and its own Apache Kafka broker (one KRaft node on free ports, started through
+//! `scripts/kafka-node`, its data in the run's directory) — and
 //! breaks it on purpose, then proves nothing was lost, doubled, reordered or leaked:
 //!
 //! * a **producer** process writes a state change and its outbox rows in one transaction
@@ -15,7 +16,8 @@
 //! relays (mid-batch) and consumers (mid-handler); relays that crash after Kafka acknowledged
 //! a batch but before marking it; consumers that crash after their handler committed but
 //! before the offset was stored; producers killed before and after their commit; members
-//! joining and leaving the group (rebalances); the broker stopped and restarted; every
+//! joining and leaving the group (rebalances); the broker shut down cleanly (SIGTERM) or
+//! crashed (`kill -9`) and started again on the same storage; every
 //! Postgres connection of the run terminated with `pg_terminate_backend`; and malformed
 //! records injected straight into the live topic.
 //!
@@ -31,6 +33,8 @@
 //! outbox-chaos run --profile ci            # ≈2–3 minutes (the test suite runs this)
 //! outbox-chaos run --profile long --seed 7 # ≈20 minutes (five runs)
 //! ```
+//! The broker's jars come from `scripts/services.sh` (`resolve_jars kafka`), found through
+//! `OUTBOX_KAFKA_CLASSPATH_FILE` (default `.services/kafka.classpath` in the repository).
 //! The child roles (`producer`, `relay`, `consumer`) are internal: the orchestrator spawns
 //! them from its own executable.
 

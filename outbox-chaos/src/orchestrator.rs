@@ -139,9 +139,10 @@ async fn run_one(
         f.stop(producer, false);
     }
     wait_fleet(&fleet, Duration::from_secs(30), |f| f.exited(producer)).await?;
+    // The last broker fault may have left it starting: the drain's clock starts once it is up.
+    broker.wait_ready().await?;
     let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
     let drained = wait_drained(
-        &fleet,
         &mut broker,
         &db.pool,
         tables,
@@ -157,7 +158,7 @@ async fn run_one(
         lock(&fleet).kill_remaining();
     }
 
-    crate::faults::heal_broker(&mut broker, &fleet).await?;
+    broker.check_alive()?;
     let mut summary = checker::check(&Target {
         pool: &db.pool,
         tables,
@@ -171,13 +172,10 @@ async fn run_one(
         let f = lock(&fleet);
         summary.counts = f.counts.clone();
         summary.unexpected_exits = u64::try_from(f.unexpected.len())?;
-        summary.group_restarts = f.group_restarts;
-        summary.broker_recoveries = f.broker_recoveries;
     }
     summary.drain_timeouts = u64::from(!drained);
     broker.stop().await?;
-    let worked_around = summary.group_restarts + summary.broker_recoveries > 0;
-    finish(summary.passed() && !args.keep, worked_around, db, &dir).await?;
+    finish(summary.passed() && !args.keep, db, &dir).await?;
     Ok(summary)
 }
 
@@ -219,23 +217,10 @@ async fn supervise(fleet: Arc<Mutex<Fleet>>, stop: CancellationToken) -> Result<
     Ok(())
 }
 
-/// How long a consumer group that is behind may go without a new effect or quarantine before
-/// it is re-formed ([`Fleet::restart_group`]): longer than a slow rebalance can take (the
-/// members' 20 s rebalance timeout plus their 6 s session).
-const GROUP_STALL: Duration = Duration::from_secs(30);
-
-/// Extra time a re-formed group gets before it can count as stalled again.
-const GROUP_REFORM_GRACE: Duration = Duration::from_secs(60);
-
 /// Waits until the outbox has no pending row, every group has an effect for every committed
-/// event, and every group has quarantined every malformed record. `false` on timeout.
-///
-/// A group that is behind and makes no progress for [`GROUP_STALL`] is re-formed: tansu's
-/// coordinator can leave a group steady with no partition assigned after members died in a
-/// rebalance. That is the broker's fault, not the framework's, and it is counted
-/// (`group_restarts`) rather than hidden; anything lost or doubled still shows in the check.
+/// event, and every group has quarantined every malformed record. `false` on timeout. Nothing
+/// is done to help a group along: a group that stands still is a failed run.
 async fn wait_drained(
-    fleet: &Mutex<Fleet>,
     broker: &mut Broker,
     pool: &PgPool,
     tables: &TableNames,
@@ -258,19 +243,8 @@ async fn wait_drained(
     );
     let started = Instant::now();
     let mut last_log = started;
-    if let Ok(group) = std::env::var("CHAOS_REFORM_GROUP") {
-        // For testing the stall recovery (and the dedup table under a full re-read): re-form
-        // this group once, now.
-        tracing::warn!(%group, "CHAOS_REFORM_GROUP: re-forming the group under a new group.id");
-        lock(fleet).restart_group(&group);
-    }
-    // Per group: its last (effects, quarantined) and when they last changed.
-    let mut progress_at: std::collections::HashMap<String, ((i64, i64), Instant)> =
-        std::collections::HashMap::new();
     loop {
-        if let Err(error) = crate::faults::heal_broker(broker, fleet).await {
-            tracing::warn!(%error, "cannot restart the broker; retrying");
-        }
+        broker.check_alive()?;
         let progress = async {
             let (pending, committed, poison): (i64, i64, i64) =
                 sqlx::query_as(AssertSqlSafe(pending_sql.clone()))
@@ -285,12 +259,8 @@ async fn wait_drained(
                         .fetch_one(pool)
                         .await?;
                 if effects < committed || quarantined < poison {
-                    behind.push((
-                        group.clone(),
-                        (effects, quarantined),
-                        format!(
-                            "{group}: {effects}/{committed} effects, {quarantined}/{poison} quarantined"
-                        ),
+                    behind.push(format!(
+                        "{group}: {effects}/{committed} effects, {quarantined}/{poison} quarantined"
                     ));
                 }
             }
@@ -302,22 +272,7 @@ async fn wait_drained(
                 return Ok(true);
             }
             Ok((pending, behind)) => {
-                for (group, counts, _) in &behind {
-                    let entry = progress_at
-                        .entry(group.clone())
-                        .or_insert((*counts, Instant::now()));
-                    if entry.0 != *counts {
-                        *entry = (*counts, Instant::now());
-                    } else if pending == 0 && entry.1.elapsed() >= GROUP_STALL {
-                        tracing::warn!(%group, stalled = ?entry.1.elapsed(), "consumer group makes no progress; restarting its members");
-                        lock(fleet).restart_group(group);
-                        // The re-formed group first re-reads the topic (all duplicates, no new
-                        // effect): give it longer before calling it stalled again.
-                        entry.1 = Instant::now() + GROUP_REFORM_GRACE;
-                    }
-                }
                 if last_log.elapsed() >= Duration::from_secs(5) {
-                    let behind: Vec<&str> = behind.iter().map(|(_, _, b)| b.as_str()).collect();
                     tracing::info!(pending, ?behind, "draining");
                     last_log = Instant::now();
                 }
@@ -332,19 +287,13 @@ async fn wait_drained(
     }
 }
 
-/// Drops the database and the run directory after a passing run; keeps both otherwise. When
-/// a broker workaround fired (`worked_around`), a passing run still keeps its directory, so
-/// the broker's and the children's logs can be looked at.
-async fn finish(clean: bool, worked_around: bool, db: ChaosDb, dir: &Path) -> Result<()> {
+/// Drops the database and the run directory after a passing run; keeps both otherwise.
+async fn finish(clean: bool, db: ChaosDb, dir: &Path) -> Result<()> {
     if clean {
         db.drop_database().await?;
-        if worked_around {
-            tracing::warn!(dir = %dir.display(), "a broker workaround fired; logs kept (dir/tansu.log, dir/logs)");
-        } else {
-            std::fs::remove_dir_all(dir)?;
-        }
+        std::fs::remove_dir_all(dir)?;
     } else {
-        tracing::warn!(database = %db.name, dir = %dir.display(), "kept for inspection (child logs in dir/logs)");
+        tracing::warn!(database = %db.name, dir = %dir.display(), "kept for inspection (child logs in dir/logs, the broker's in dir/kafka/broker.log)");
     }
     Ok(())
 }

@@ -20,8 +20,10 @@ pub(crate) enum Kind {
     ProducerBeforeCommit,
     /// The producer dying right after its commit.
     ProducerAfterCommit,
-    /// The broker stopped and started again.
+    /// The broker shut down cleanly (SIGTERM, awaited) and started again.
     BrokerRestart,
+    /// The broker killed (`kill -9`) and started again.
+    BrokerKill,
     /// Every connection of the run terminated by `pg_terminate_backend`.
     PgTerminate,
     /// A group member joining or leaving while messages are in flight.
@@ -29,7 +31,7 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 10] = [
+    pub(crate) const ALL: [Self; 11] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -38,6 +40,7 @@ impl Kind {
         Self::ProducerBeforeCommit,
         Self::ProducerAfterCommit,
         Self::BrokerRestart,
+        Self::BrokerKill,
         Self::PgTerminate,
         Self::Rebalance,
     ];
@@ -52,6 +55,7 @@ impl Kind {
             Self::ProducerBeforeCommit => "producer_before_commit",
             Self::ProducerAfterCommit => "producer_after_commit",
             Self::BrokerRestart => "broker_restart",
+            Self::BrokerKill => "broker_kill9",
             Self::PgTerminate => "pg_terminate",
             Self::Rebalance => "rebalance",
         }
@@ -104,11 +108,6 @@ pub(crate) struct Summary {
     pub(crate) effects: u64,
     pub(crate) poison_injected: u64,
     pub(crate) poison_quarantined: u64,
-    /// Consumer groups restarted after stalling on the broker (not a violation; see
-    /// `Fleet::restart_group`).
-    pub(crate) group_restarts: u64,
-    /// Broker restarts after its storage died (not a violation; see `faults::heal_broker`).
-    pub(crate) broker_recoveries: u64,
     // Violations:
     pub(crate) lost: u64,
     pub(crate) double_effects: u64,
@@ -157,8 +156,6 @@ impl Summary {
             (&mut self.effects, o.effects),
             (&mut self.poison_injected, o.poison_injected),
             (&mut self.poison_quarantined, o.poison_quarantined),
-            (&mut self.group_restarts, o.group_restarts),
-            (&mut self.broker_recoveries, o.broker_recoveries),
             (&mut self.lost, o.lost),
             (&mut self.double_effects, o.double_effects),
             (&mut self.order_violations, o.order_violations),
@@ -189,7 +186,7 @@ impl Summary {
         let _ = write!(
             s,
             " events_committed={} rolled_back={} published={} duplicates_delivered={} effects={} \
-             poison_quarantined={}/{} group_restarts={} broker_recoveries={}",
+             poison_quarantined={}/{}",
             self.events_committed,
             self.rolled_back,
             self.published,
@@ -197,8 +194,6 @@ impl Summary {
             self.effects,
             self.poison_quarantined,
             self.poison_injected,
-            self.group_restarts,
-            self.broker_recoveries,
         );
         for (name, n) in self.violations() {
             let _ = write!(s, " {name}={n}");
@@ -246,5 +241,19 @@ mod tests {
             assert!(line.starts_with("chaos: result=FAIL "), "{line}");
         }
         assert!(!Summary::default().passed(), "no run is no pass");
+    }
+
+    #[test]
+    fn both_kinds_of_broker_fault_are_kill_cycles_counted_apart() {
+        let mut summary = Summary {
+            runs: 1,
+            ..Summary::default()
+        };
+        summary.counts.add(Kind::BrokerRestart, 2);
+        summary.counts.add(Kind::BrokerKill, 3);
+        summary.counts.add(Kind::PgTerminate, 7);
+        let line = summary.line("ci", 1, 10);
+        assert!(line.contains(" kill_cycles=5 "), "{line}");
+        assert!(line.contains(" broker_restart=2 broker_kill9=3 "), "{line}");
     }
 }

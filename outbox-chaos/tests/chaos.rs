@@ -1,10 +1,12 @@
 //! Runs the chaos harness's CI profile as a real process against the real Postgres and its own
-//! tansu broker, and holds it to the figures: the run passes, with at least 50 kill
-//! cycles, nothing lost, no double effect and no order violation.
+//! Apache Kafka broker, and holds it to the figures: the run passes, with at least 50
+//! kill cycles, both kinds of broker fault (clean restart and `kill -9`), nothing lost, no
+//! double effect and no order violation.
 //!
 //! The harness isolates itself from the rest of the suite (which shares the broker on port
-//! 9092 and the `outbox_test` database): it starts its own tansu on a free port and creates its
-//! own database, so it can run in parallel with the other tests.
+//! 9092 and the `outbox_test` database): it starts its own Kafka node on free ports and creates
+//! its own database, so it can run in parallel with the other tests. It needs the Kafka jars
+//! (`source scripts/services.sh && resolve_jars kafka`; `scripts/test` does that).
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -70,5 +72,11 @@ fn ci_profile_keeps_every_guarantee_under_fifty_kill_cycles() {
     }
     let kills = number(&fields, "kill_cycles");
     assert!(kills >= 50, "only {kills} kill cycles: {fields:?}");
+    for broker_fault in ["broker_restart", "broker_kill9"] {
+        assert!(
+            number(&fields, broker_fault) >= 1,
+            "no {broker_fault} in the run: {fields:?}"
+        );
+    }
     assert!(number(&fields, "events_committed") > 0);
 }

@@ -24,10 +24,6 @@ pub(crate) struct Args {
     /// Consumer group; also the dedup scope (consumer name).
     #[arg(long)]
     pub(crate) group: String,
-    /// Kafka `group.id`, when it differs from `--group` (after the orchestrator re-formed a
-    /// group that tansu left stuck: same dedup scope, fresh Kafka group).
-    #[arg(long)]
-    pub(crate) kafka_group: Option<String>,
     /// Payloads larger than this are quarantined.
     #[arg(long, default_value_t = 16 * 1024)]
     pub(crate) max_payload_bytes: usize,
@@ -81,17 +77,12 @@ pub(crate) async fn run(args: Args) -> Result<()> {
             Ok(())
         })
     })?;
-    let kafka_group = args.kafka_group.as_deref().unwrap_or(&args.group);
-    let mut kafka = consumer_config(&args.common.brokers, kafka_group);
+    let mut kafka = consumer_config(&args.common.brokers, &args.group);
     kafka
         .set("client.id", &args.common.label)
         // A killed member's partitions move within seconds.
         .set("session.timeout.ms", "6000")
-        .set("heartbeat.interval.ms", "1000")
-        // Also the rebalance timeout: how long the coordinator waits for the members it knows
-        // to rejoin. With the default (5 minutes) a member killed during a rebalance stalls
-        // its group that long on tansu; the handler is quick, so 20 s is ample.
-        .set("max.poll.interval.ms", "20000");
+        .set("heartbeat.interval.ms", "1000");
     if let Ok(debug) = std::env::var("CHAOS_KAFKA_DEBUG") {
         // librdkafka debug contexts (`cgrp`, `consumer`, ...), for diagnosing a stuck group.
         kafka.set("debug", debug);

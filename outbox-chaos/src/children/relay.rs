@@ -26,12 +26,7 @@ pub(crate) struct Args {
 pub(crate) async fn run(args: Args) -> Result<()> {
     let pool = args.common.pool(3)?;
     let mut kafka = producer_config(&args.common.brokers);
-    kafka
-        .set("client.id", &args.common.label)
-        // Longer than the framework's 30 s: a delivery that times out while its request is in
-        // flight makes librdkafka bump the producer epoch, which tansu 0.6.0 cannot do (its
-        // storage panics); under the broker restarts here, requests can wait that long.
-        .set("message.timeout.ms", "120000");
+    kafka.set("client.id", &args.common.label);
     let config = RelayConfig::default()
         .tables(args.common.tables()?)
         .batch_size(args.batch_size)

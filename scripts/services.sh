@@ -205,6 +205,21 @@ PROPS
     || { tail -n 50 "$dir/connect.log" >&2; return 1; }
 }
 
+# Deletes every connector of the test worker (each test creates and deletes its own; an
+# interrupted run leaves them streaming), waiting until their slots are released.
+remove_test_connectors() {
+  local name
+  for name in $(curl -fsS "$OUTBOX_TEST_CONNECT/connectors" | python3 -c 'import json, sys; print(" ".join(json.load(sys.stdin)))'); do
+    log "deleting connector $name left by an earlier run"
+    curl -fsS -X DELETE "$OUTBOX_TEST_CONNECT/connectors/$name" >/dev/null
+  done
+  wait_for "replication slots to be released" 60 slots_idle
+}
+
+slots_idle() {
+  [ "$(psql -h 127.0.0.1 -U postgres -qAtc "SELECT count(*) FROM pg_replication_slots WHERE database = 'outbox_test' AND active")" = 0 ]
+}
+
 debezium_version() { grep -o '<debezium.version>[^<]*' "$ROOT/services/connect/pom.xml" | cut -d'>' -f2; }
 
 ensure_services() {

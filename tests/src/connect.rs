@@ -211,31 +211,62 @@ impl OutboxConnector {
     /// Creates a connector for `db`'s outbox and waits until its task is RUNNING and its
     /// replication slot is active: rows committed after this returns are streamed.
     pub async fn start(db: &TestDb, mode: PayloadMode) -> Result<Self> {
+        let connector = Self::new(db, mode);
+        connector.launch().await?;
+        Ok(connector)
+    }
+
+    /// A connector for `db`'s outbox, not created yet: [`Self::create_slot`] may fix the
+    /// point it streams from before [`Self::launch`] creates it. Dropping it cleans up
+    /// whatever was created.
+    pub fn new(db: &TestDb, mode: PayloadMode) -> Self {
         let name = unique("dbz");
         let slot = name.clone();
         let publication = format!("{name}_pub");
         let config = outbox_connector_config(&name, &db.schema, &slot, &publication, mode);
-        // Heartbeats go to `__debezium-heartbeat.<topic.prefix>`; the broker does not
-        // auto-create topics.
-        create_topic(&format!("__debezium-heartbeat.{name}"), 1).await?;
-        let mut connector = Self {
+        Self {
             name,
             slot,
             publication,
             config,
             cleaned: false,
-        };
+        }
+    }
+
+    /// Creates the publication and then the replication slot the connector will use: the
+    /// connector streams what commits after this returns, whenever it is launched.
+    pub async fn create_slot(&self, schema: &str) -> Result<()> {
+        let mut conn = PgConnection::connect(&database_url()).await?;
+        // The publication must predate the changes the slot decodes.
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE PUBLICATION {} FOR TABLE {schema}.outbox_events",
+            self.publication
+        )))
+        .execute(&mut conn)
+        .await?;
+        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(&self.slot)
+            .execute(&mut conn)
+            .await?;
+        conn.close().await?;
+        Ok(())
+    }
+
+    /// Creates the connector (on its existing slot, if [`Self::create_slot`] made one) and
+    /// waits until its task is RUNNING and a walsender streams its slot.
+    pub async fn launch(&self) -> Result<()> {
+        // Heartbeats go to `__debezium-heartbeat.<topic.prefix>`; the broker does not
+        // auto-create topics.
+        create_topic(&format!("__debezium-heartbeat.{}", self.name), 1).await?;
         let body = json!({
-            "name": connector.name,
-            "config": connector.config.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect::<Map<_, _>>(),
+            "name": self.name,
+            "config": self.config.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect::<Map<_, _>>(),
         });
         let (status, answer) = connect_request(Method::POST, "/connectors", Some(&body)).await?;
         if !status.is_success() {
-            connector.cleaned = true; // nothing was created
-            bail!("creating connector {}: {status} {answer}", connector.name);
+            bail!("creating connector {}: {status} {answer}", self.name);
         }
-        connector.await_streaming(None).await?;
-        Ok(connector)
+        self.await_streaming(None).await
     }
 
     /// The connector's status document.
@@ -322,8 +353,56 @@ impl OutboxConnector {
         self.await_streaming(before).await
     }
 
-    /// Deletes the connector, then drops its slot and publication.
-    pub async fn stop(mut self) -> Result<()> {
+    /// Pauses the connector (`PUT /connectors/{name}/pause`) and waits until it and its task
+    /// report PAUSED: the task no longer hands records to Kafka Connect's producer (Debezium
+    /// keeps reading the slot into its queue until `max.queue.size` is reached).
+    pub async fn pause(&self) -> Result<()> {
+        self.put_state("pause").await?;
+        let deadline = Instant::now() + STARTUP;
+        loop {
+            let status = self.status().await?;
+            let tasks = status["tasks"].as_array().cloned().unwrap_or_default();
+            if status["connector"]["state"] == "PAUSED"
+                && !tasks.is_empty()
+                && tasks.iter().all(|t| t["state"] == "PAUSED")
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "connector {} not paused after {STARTUP:?}: {status}",
+                    self.name
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Resumes a paused connector (`PUT /connectors/{name}/resume`); returns once the worker
+    /// accepted the request.
+    pub async fn resume(&self) -> Result<()> {
+        self.put_state("resume").await
+    }
+
+    async fn put_state(&self, verb: &str) -> Result<()> {
+        let (status, answer) = connect_request(
+            Method::PUT,
+            &format!("/connectors/{}/{verb}", self.name),
+            None,
+        )
+        .await?;
+        if !status.is_success() {
+            bail!("{verb} {}: {status} {answer}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Deletes the connector, then drops its slot and publication (once; later calls do
+    /// nothing).
+    pub async fn stop(&mut self) -> Result<()> {
+        if self.cleaned {
+            return Ok(());
+        }
         self.cleaned = true;
         cleanup(&self.name, &self.slot, &self.publication).await
     }

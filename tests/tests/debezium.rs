@@ -134,7 +134,7 @@ async fn outbox_rows(db: &TestDb) -> Result<Rows> {
 
 /// Removes the connector, its slot and its publication, then returns the test's outcome
 /// (a panic removes them in `Drop`).
-async fn finish(connector: OutboxConnector, outcome: Result<()>) -> Result<()> {
+async fn finish(mut connector: OutboxConnector, outcome: Result<()>) -> Result<()> {
     let cleaned = connector.stop().await;
     outcome?;
     cleaned.context("removing the connector, its slot and its publication")
@@ -506,4 +506,268 @@ async fn relay_and_debezium_agree(mode: PayloadMode) -> Result<()> {
         }
     .await;
     finish(connector, outcome).await
+}
+
+/// Relays running `run`, and the token that stops them.
+type Relays = (
+    CancellationToken,
+    Vec<tokio::task::JoinHandle<Result<(), outbox_producer::ProducerError>>>,
+);
+
+/// Relays running `run` until their token is cancelled.
+fn spawn_relays(db: &TestDb, count: usize) -> Result<Relays> {
+    let stop = CancellationToken::new();
+    let mut handles = Vec::new();
+    for _ in 0..count {
+        let relay = Relay::new(
+            db.pool.clone(),
+            &producer_config(&kafka_bootstrap()),
+            RelayConfig::default().batch_size(100),
+        )?;
+        let stop = stop.clone();
+        handles.push(tokio::spawn(async move { relay.run(stop).await }));
+    }
+    Ok((stop, handles))
+}
+
+async fn stop_relays((stop, handles): Relays) -> Result<()> {
+    stop.cancel();
+    for handle in handles {
+        handle.await??;
+    }
+    Ok(())
+}
+
+/// Enqueues until `stop`: one event per transaction, and every tenth transaction an
+/// `enqueue_all` batch of two events for each of five keys. Returns the events written.
+async fn write_until(
+    pool: sqlx::PgPool,
+    topic: String,
+    keys: i64,
+    stop: CancellationToken,
+) -> Result<i64> {
+    let mut next = vec![0_i64; keys as usize];
+    let mut event = |k: i64| -> Result<NewEvent> {
+        let n = next[k as usize];
+        next[k as usize] += 1;
+        Ok(
+            NewEvent::new("agent", format!("agent-{k}"), "Step", &json!({ "n": n }))?
+                .with_topic(&topic)?,
+        )
+    };
+    let (mut i, mut written) = (0_i64, 0_i64);
+    while !stop.is_cancelled() {
+        i += 1;
+        let mut tx = pool.begin().await?;
+        if i % 10 == 0 {
+            let mut batch = Vec::new();
+            for j in 0..5 {
+                let k = (i + j) % keys;
+                batch.push(event(k)?);
+                batch.push(event(k)?);
+            }
+            written += outbox_producer::enqueue_all(&mut tx, &batch).await?.len() as i64;
+        } else {
+            outbox_producer::enqueue(&mut tx, &event(i % keys)?).await?;
+            written += 1;
+        }
+        tx.commit().await?;
+        // Pacing, a few hundred events a second: a steady load, not a flood.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(written)
+}
+
+/// The switch to CDC and back while a producer keeps writing and a `dedup_consume`
+/// consumer keeps handling:
+/// 1. relays run;
+/// 2. the connector's slot is created, the relays publish every row committed before it,
+///    the connector starts on that slot (so Debezium publishes only rows committed after
+///    it), then the relays stop;
+/// 3. Debezium alone publishes;
+/// 4. the connector is deleted, the relays start again and republish every row Debezium
+///    published (still `pending` for them).
+///
+/// Nothing is lost, every duplicate is absorbed, and each key's effects stay in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn switching_from_relays_to_debezium_and_back_under_load_keeps_every_event_once_in_order()
+-> Result<()> {
+    const KEYS: i64 = 20;
+    const PARTITIONS: i32 = 6;
+    const STEP: i64 = 200;
+    let db = TestDb::with_pool_size(16).await?;
+    let topic = unique("outbox.test.switch");
+    create_topic(&topic, PARTITIONS).await?;
+    effects_table(&db).await?;
+    let effects = || count(&db, "SELECT count(*) FROM effects");
+    let rows = || count(&db, "SELECT count(*) FROM outbox_events");
+
+    let shutdown = CancellationToken::new();
+    let consuming = spawn_consumer(&db, &topic, &shutdown);
+    let stop_writing = CancellationToken::new();
+    let writing = tokio::spawn(write_until(
+        db.pool.clone(),
+        topic.clone(),
+        KEYS,
+        stop_writing.clone(),
+    ));
+    let mut connector = OutboxConnector::new(&db, PayloadMode::Text);
+    let outcome = async {
+        let relays = spawn_relays(&db, 2)?;
+        eventually("relays carry events", Duration::from_secs(60), || async {
+            Ok(effects().await? >= STEP)
+        })
+        .await?;
+
+        // Relays -> Debezium.
+        connector.create_slot(&db.schema).await?;
+        let backlog: Vec<i64> =
+            sqlx::query_scalar("SELECT seq FROM outbox_events WHERE status = 'pending'")
+                .fetch_all(&db.pool)
+                .await?;
+        eventually(
+            "the relays published every row committed before the slot",
+            Duration::from_secs(60),
+            || async {
+                let left: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM outbox_events WHERE seq = ANY($1) AND status = 'pending'",
+                )
+                .bind(&backlog)
+                .fetch_one(&db.pool)
+                .await?;
+                Ok(left == 0)
+            },
+        )
+        .await?;
+        connector.launch().await?;
+        stop_relays(relays).await?;
+        let switched = rows().await?;
+        println!(
+            "relays -> Debezium at {switched} rows ({} pending before the slot)",
+            backlog.len()
+        );
+
+        // Debezium alone.
+        eventually(
+            "Debezium alone carries events",
+            Duration::from_secs(90),
+            || async { Ok(effects().await? >= switched + STEP) },
+        )
+        .await?;
+        let pending = outbox_tests::count_status(&db.pool, "pending").await?;
+        assert!(
+            pending >= STEP,
+            "Debezium does not mark rows ({pending} pending)"
+        );
+
+        // Debezium -> relays.
+        connector.stop().await?;
+        let relays = spawn_relays(&db, 2)?;
+        let back = rows().await?;
+        println!("Debezium -> relays at {back} rows, {pending}+ rows pending to republish");
+        eventually(
+            "relays carry events again",
+            Duration::from_secs(90),
+            || async { Ok(effects().await? >= back + STEP) },
+        )
+        .await?;
+
+        stop_writing.cancel();
+        let total = writing.await??;
+        assert_eq!(rows().await?, total);
+        eventually(
+            "the outbox drained and every event took effect",
+            Duration::from_secs(120),
+            || async {
+                Ok(outbox_tests::count_status(&db.pool, "pending").await? == 0
+                    && effects().await? >= total)
+            },
+        )
+        .await?;
+        stop_relays(relays).await?;
+        shutdown.cancel();
+        assert_effects_once_in_order(&db, total).await?;
+        let delivered = record_count(&topic, PARTITIONS).await?;
+        assert!(
+            delivered > total,
+            "the switches delivered duplicates ({delivered} records for {total} events)"
+        );
+        println!(
+            "{total} events, {delivered} records delivered, {} duplicates absorbed",
+            delivered - total
+        );
+        Ok(())
+    }
+    .await;
+    stop_writing.cancel();
+    shutdown.cancel();
+    let consumed = consuming.await;
+    finish(connector, outcome).await?;
+    consumed??;
+    Ok(())
+}
+
+/// Why the switch waits for the relays to publish what committed before the slot: started
+/// while a relay still holds an older row of a key, Debezium publishes the key's newer row
+/// first, and the consumer handles the two out of order (the relay's copy of the newer row
+/// comes later and is a duplicate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn debezium_started_before_a_lagging_relay_catches_up_overtakes_its_backlog() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = unique("outbox.test.overtake");
+    create_topic(&topic, 3).await?;
+    effects_table(&db).await?;
+    let enqueue = |n: i64| {
+        let (pool, topic) = (db.pool.clone(), topic.clone());
+        async move {
+            let event = NewEvent::new("agent", "agent-1", "Step", &json!({ "n": n }))?
+                .with_topic(&topic)?;
+            let mut tx = pool.begin().await?;
+            outbox_producer::enqueue(&mut tx, &event).await?;
+            tx.commit().await?;
+            anyhow::Ok(())
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let consuming = spawn_consumer(&db, &topic, &shutdown);
+    // Row 0 commits while the relay lags (here: does not run).
+    enqueue(0).await?;
+    let connector = OutboxConnector::start(&db, PayloadMode::Text).await?;
+    let outcome = async {
+        enqueue(1).await?;
+        eventually(
+            "Debezium's row 1 took effect",
+            Duration::from_secs(60),
+            || async { Ok(count(&db, "SELECT count(*) FROM effects").await? >= 1) },
+        )
+        .await?;
+        let relay = Relay::new(
+            db.pool.clone(),
+            &producer_config(&kafka_bootstrap()),
+            RelayConfig::default(),
+        )?;
+        while relay.run_once().await?.claimed > 0 {}
+        eventually(
+            "the relay's row 0 took effect",
+            Duration::from_secs(60),
+            || async { Ok(count(&db, "SELECT count(*) FROM effects").await? >= 2) },
+        )
+        .await?;
+        shutdown.cancel();
+        let order: Vec<i64> = sqlx::query_scalar("SELECT n FROM effects ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await?;
+        assert_eq!(
+            order,
+            vec![1, 0],
+            "row 1 (Debezium) was handled before row 0 (relay)"
+        );
+        Ok(())
+    }
+    .await;
+    shutdown.cancel();
+    let consumed = consuming.await;
+    finish(connector, outcome).await?;
+    consumed??;
+    Ok(())
 }

@@ -216,6 +216,8 @@ async fn assert_effects_once_in_order(db: &TestDb, total: i64) -> Result<()> {
         out_of_order.is_empty(),
         "effects out of key order (key, n, previous n): {out_of_order:?}"
     );
+    let untyped = count(db, "SELECT count(*) FROM effects WHERE n IS NULL").await?;
+    assert_eq!(untyped, 0, "payloads without their `n`");
     let quarantined = count(db, "SELECT count(*) FROM outbox_consumer_quarantine").await?;
     assert_eq!(quarantined, 0, "the consumer quarantined Debezium records");
     Ok(())
@@ -285,7 +287,11 @@ async fn debezium_records_are_handled_once_each_in_key_order_by_dedup_consume() 
                 }
             });
             // Halfway, while rows keep coming, Debezium restarts from its committed offset,
-            // just after a batch of rows sharing one transaction (debezium #7531).
+            // just after a batch of rows sharing one transaction. (Each row of an
+            // `enqueue_all` statement has an LSN of its own, as test_decoding shows; the
+            // first shares it with BEGIN and the previous COMMIT: the resume-position cases
+            // of debezium DBZ-5915/DBZ-6204. Rows sharing one LSN, debezium #7531, come from
+            // COPY, which `enqueue_all` does not use.)
             half_rx.await.context("the writer stopped early")?;
             connector.restart().await?;
             writing.await??;

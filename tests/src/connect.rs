@@ -144,11 +144,6 @@ pub fn outbox_connector_config(
             "org.apache.kafka.connect.storage.StringConverter",
         ),
         (
-            "value.converter",
-            "org.apache.kafka.connect.json.JsonConverter",
-        ),
-        ("value.converter.schemas.enable", "false"),
-        (
             "header.converter",
             "org.apache.kafka.connect.storage.SimpleHeaderConverter",
         ),

@@ -108,8 +108,9 @@ enum Outcome {
 }
 
 impl Relay {
-    /// A relay with a producer built from `kafka`, with `enable.idempotence=true` and
-    /// `acks=all` enforced (see [`producer_config`] for a starting point).
+    /// A relay with a producer built from `kafka`, with `enable.idempotence=true`,
+    /// `acks=all` and `partitioner=murmur2_random` (Java's, which Debezium uses) enforced
+    /// (see [`producer_config`] for a starting point).
     pub fn new(
         pool: PgPool,
         kafka: &ClientConfig,
@@ -121,7 +122,10 @@ impl Relay {
     }
 
     /// A relay on an existing producer. It must be configured with `enable.idempotence=true`
-    /// and `acks=all`, or per-key order and no-loss do not hold.
+    /// and `acks=all`, or per-key order and no-loss do not hold, and with
+    /// `partitioner=murmur2_random`, or its keys land on other partitions than Debezium's
+    /// and any Java producer's (a librdkafka producer's settings cannot be read back, so
+    /// this is not checked).
     pub fn with_producer(
         pool: PgPool,
         producer: FutureProducer,

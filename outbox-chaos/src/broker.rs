@@ -7,10 +7,12 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
 
 /// How long a broker start (the JVM, log recovery after a crash, the KRaft quorum) may take
 /// before the harness gives up. On 2 busy cores a start takes a few seconds; the first one
@@ -43,6 +45,8 @@ pub(crate) struct Broker {
     controller_port: u16,
     cluster_id: String,
     child: Option<Child>,
+    /// A restart's take-down and downtime, under way.
+    going_down: Option<JoinHandle<Result<()>>>,
     /// Started but not yet seen ready.
     starting: bool,
     /// When the current process was started (for the readiness log line).
@@ -121,6 +125,7 @@ impl Broker {
             controller_port,
             cluster_id: new_cluster_id(),
             child: None,
+            going_down: None,
             starting: false,
             started_at: Instant::now(),
         };
@@ -159,18 +164,40 @@ impl Broker {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
+            // Whatever drops it (a failed run, an interrupted harness, a take-down task cut
+            // short by the runtime's shutdown) kills the broker: no stray JVM.
+            .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", self.node_script.display()))?;
-        tracing::debug!(pid = child.id(), port = self.port, "broker process started");
+        tracing::debug!(pid = ?child.id(), port = self.port, "broker process started");
         self.child = Some(child);
         self.starting = true;
         self.started_at = Instant::now();
         Ok(())
     }
 
+    /// Starts the broker again once a take-down begun by [`Self::restart`] has finished.
+    async fn advance(&mut self) -> Result<()> {
+        if self
+            .going_down
+            .as_ref()
+            .is_some_and(JoinHandle::is_finished)
+        {
+            if let Some(task) = self.going_down.take() {
+                task.await.context("broker take-down task")??;
+            }
+            self.spawn()?;
+        }
+        Ok(())
+    }
+
     /// Fails if the broker process has exited without being asked to (it crashed, or could
-    /// not start).
-    pub(crate) fn check_alive(&mut self) -> Result<()> {
+    /// not start). Also starts it again when a restart's downtime is over.
+    pub(crate) async fn check_alive(&mut self) -> Result<()> {
+        self.advance().await?;
+        if self.going_down.is_some() {
+            return Ok(());
+        }
         let Some(child) = self.child.as_mut() else {
             bail!("the broker is not running");
         };
@@ -186,12 +213,16 @@ impl Broker {
 
     /// Whether the broker serves requests: one Metadata request (`scripts/kafka-ready`) must
     /// list it; an open port alone is a broker still recovering its log or joining its quorum.
-    /// `true` at once when it was seen ready since its last start.
+    /// `true` at once when it was seen ready since its last start; `false` while a restart is
+    /// under way.
     pub(crate) async fn poll_ready(&mut self) -> Result<bool> {
+        self.check_alive().await?;
+        if self.going_down.is_some() {
+            return Ok(false);
+        }
         if !self.starting {
             return Ok(true);
         }
-        self.check_alive()?;
         let ready = tokio::process::Command::new(&self.ready_script)
             .arg(self.address())
             .stdout(Stdio::null())
@@ -206,8 +237,13 @@ impl Broker {
         Ok(ready.success())
     }
 
-    /// Waits until [`Self::poll_ready`] holds, within [`START_TIMEOUT`] of the last start.
+    /// Waits until [`Self::poll_ready`] holds: a restart's take-down and downtime, then
+    /// [`START_TIMEOUT`] for the start.
     pub(crate) async fn wait_ready(&mut self) -> Result<()> {
+        if let Some(task) = self.going_down.take() {
+            task.await.context("broker take-down task")??;
+            self.spawn()?;
+        }
         let deadline = self.started_at + START_TIMEOUT;
         while !self.poll_ready().await? {
             if Instant::now() >= deadline {
@@ -222,52 +258,71 @@ impl Broker {
         Ok(())
     }
 
-    /// Stops the broker cleanly: SIGTERM, then waits for the process to exit (`kill -9` if it
-    /// has not within a minute, which is an error: a clean stop that needs a kill is not one).
+    /// Stops the broker cleanly and for good (a restart under way is finished first, without
+    /// starting it again).
     pub(crate) async fn stop(&mut self) -> Result<()> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(());
-        };
-        let began = Instant::now();
-        crate::fleet::send_sigterm(child.id());
-        while child.try_wait()?.is_none() {
-            if began.elapsed() >= STOP_TIMEOUT {
-                child.kill()?;
-                child.wait()?;
-                bail!(
-                    "the broker ignored SIGTERM for {STOP_TIMEOUT:?} and was killed; see {}",
-                    self.log_path().display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Some(task) = self.going_down.take() {
+            task.await.context("broker take-down task")??;
         }
-        tracing::debug!(took = ?began.elapsed(), "broker stopped");
-        Ok(())
+        match self.child.take() {
+            Some(child) => take_down(child, Down::Clean, &self.log_path()).await,
+            None => Ok(()),
+        }
     }
 
-    /// Takes the broker down (`how`), keeps it down for `downtime`, and starts it again on the
-    /// same ports and storage. Does not wait for it to be ready: the run goes on meanwhile, as
-    /// clients of a restarting broker do; [`Self::wait_ready`] awaits it.
-    pub(crate) async fn restart(&mut self, how: Down, downtime: Duration) -> Result<()> {
-        match how {
-            Down::Clean => self.stop().await?,
-            Down::Kill9 => {
-                if let Some(mut child) = self.child.take() {
-                    child.kill()?;
-                    child.wait()?;
-                }
+    /// Takes the broker down (`how`) and, after `downtime`, starts it again on the same ports
+    /// and log. Returns at once: the take-down and the downtime run in the background and the
+    /// start happens at the next [`Self::check_alive`], [`Self::poll_ready`] or
+    /// [`Self::wait_ready`] after them, so the run goes on meanwhile, as clients of a
+    /// restarting broker do.
+    pub(crate) fn restart(&mut self, how: Down, downtime: Duration) {
+        let Some(child) = self.child.take() else {
+            return;
+        };
+        let log = self.log_path();
+        self.going_down = Some(tokio::spawn(async move {
+            take_down(child, how, &log).await?;
+            tokio::time::sleep(downtime).await;
+            Ok(())
+        }));
+    }
+}
+
+/// Takes a broker process down: SIGTERM awaited to its exit (`kill -9` after [`STOP_TIMEOUT`],
+/// which is an error: a clean stop that needs a kill is not one), or `kill -9`.
+async fn take_down(mut child: Child, how: Down, log: &Path) -> Result<()> {
+    let began = Instant::now();
+    match how {
+        Down::Kill9 => {
+            child.kill().await?;
+        }
+        Down::Clean => {
+            let Some(pid) = child.id() else {
+                return Ok(()); // already exited and reaped
+            };
+            crate::fleet::send_sigterm(pid);
+            if tokio::time::timeout(STOP_TIMEOUT, child.wait())
+                .await
+                .is_err()
+            {
+                child.kill().await?;
+                bail!(
+                    "the broker ignored SIGTERM for {STOP_TIMEOUT:?} and was killed; see {}",
+                    log.display()
+                );
             }
         }
-        tokio::time::sleep(downtime).await;
-        self.spawn()
     }
+    tracing::info!(?how, took = ?began.elapsed(), "broker down");
+    Ok(())
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = child.kill();
-            let _ = child.wait();
+        // The running process dies with its `Child` (`kill_on_drop`); one being taken down
+        // dies with the aborted task that holds it.
+        if let Some(task) = self.going_down.take() {
+            task.abort();
         }
     }
 }
@@ -299,7 +354,7 @@ mod tests {
 
     #[test]
     fn free_ports_are_two_distinct_ports() {
-        let (a, b) = free_ports().unwrap();
+        let (a, b) = free_ports().expect("two free ports");
         assert_ne!(a, b);
         assert_ne!(a, 0);
     }

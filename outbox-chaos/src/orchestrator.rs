@@ -158,7 +158,7 @@ async fn run_one(
         lock(&fleet).kill_remaining();
     }
 
-    broker.check_alive()?;
+    broker.check_alive().await?;
     let mut summary = checker::check(&Target {
         pool: &db.pool,
         tables,
@@ -244,7 +244,7 @@ async fn wait_drained(
     let started = Instant::now();
     let mut last_log = started;
     loop {
-        broker.check_alive()?;
+        broker.check_alive().await?;
         let progress = async {
             let (pending, committed, poison): (i64, i64, i64) =
                 sqlx::query_as(AssertSqlSafe(pending_sql.clone()))

@@ -8,6 +8,7 @@ mod p1_write;
 mod p2_relay;
 mod p3_latency;
 mod p4_consumer;
+mod p6_debezium;
 mod sample;
 
 use std::time::Duration;
@@ -20,8 +21,10 @@ use clap::Parser;
 #[command(name = "outbox-bench")]
 pub(crate) struct Settings {
     /// Which parts to run: p1 (write overhead), p2 (relay throughput and P5 growth),
-    /// p3 (latency), p4 (consumer), mem (peak RSS of a relay and a consumer process).
-    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into()])]
+    /// p3 (latency), p4 (consumer), mem (peak RSS of a relay and a consumer process),
+    /// p6 (the relay vs Debezium's Outbox Event Router: backlog throughput, latency at 1k ev/s;
+    /// needs Kafka Connect).
+    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into(), "p6".into()])]
     only: Vec<String>,
     /// Interleaved rounds per figure.
     #[arg(long, default_value_t = 5)]
@@ -80,6 +83,9 @@ async fn main() -> Result<()> {
     }
     if wants("mem") {
         figures.extend(memory::run(&settings).await?);
+    }
+    if wants("p6") {
+        figures.extend(p6_debezium::run(&settings).await?);
     }
     let peak_rss_kib = peak_rss_kib();
     println!(

@@ -19,7 +19,7 @@ const KEYS: usize = 1_000;
 const PARTITIONS: i32 = 4;
 const RETAINED: i64 = 1_000_000;
 
-fn payload(n: usize) -> serde_json::Value {
+pub(crate) fn payload(n: usize) -> serde_json::Value {
     json!({ "n": n, "decision": "send_invoice", "cents": 1200, "note": "x".repeat(100) })
 }
 
@@ -185,10 +185,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         .execute(&grown.pool)
         .await?;
 
-    let (relay_empty, relay_grown) = (
-        relay(&empty.pool, settings)?,
-        relay(&grown.pool, settings)?,
-    );
+    let (relay_empty, relay_grown) = (relay(&empty.pool, settings)?, relay(&grown.pool, settings)?);
     let [
         mut relayed,
         mut produced,

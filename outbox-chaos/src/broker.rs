@@ -1,6 +1,6 @@
-//! The run's own Apache Kafka broker (one KRaft node, broker and controller in one process),
-//! started through `scripts/kafka-node` on free ports with its data in the run's directory,
-//! so that its log survives the restarts the harness inflicts on it.
+//! One Apache Kafka node of the run's own cluster (KRaft, broker and controller in one
+//! process), started through `scripts/kafka-node` on free ports with its data in the run's
+//! directory, so that its log survives the restarts the harness inflicts on it.
 //!
 //! `scripts/kafka-node` `exec`s java, so the child's pid is the broker's: `kill -9` of it is
 //! a broker crash and SIGTERM a clean (controlled) shutdown.
@@ -34,6 +34,11 @@ pub(crate) enum Down {
 /// A Kafka process that can be stopped and started again on the same ports and storage.
 #[derive(Debug)]
 pub(crate) struct Broker {
+    node_id: u32,
+    /// `controller.quorum.voters`, the same on every node of the cluster.
+    voters: String,
+    /// Replication factor of new and internal topics (`min.insync.replicas` 2 from 3 on).
+    replication: usize,
     /// `scripts/kafka-node`.
     node_script: PathBuf,
     /// `scripts/kafka-ready`.
@@ -62,16 +67,20 @@ fn repo_root() -> PathBuf {
     )
 }
 
-/// Two distinct free ports (broker, controller). Port 9092 belongs to the test suite's shared
-/// broker; the OS never hands it out here.
-fn free_ports() -> Result<(u16, u16)> {
-    let a = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let b = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
+/// `n` distinct free ports. Port 9092 belongs to the test suite's shared broker; the OS never
+/// hands it out here. The listeners are held until all are bound, so no port repeats.
+pub(crate) fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| Ok(l.local_addr()?.port()))
+        .collect()
 }
 
 /// A KRaft cluster id: a random UUID in unpadded base64url (22 characters).
-fn new_cluster_id() -> String {
+pub(crate) fn new_cluster_id() -> String {
     base64url(&uuid::Uuid::new_v4().into_bytes())
 }
 
@@ -91,10 +100,23 @@ fn base64url(bytes: &[u8]) -> String {
     out
 }
 
+/// Where and how one node of a cluster runs.
+#[derive(Debug, Clone)]
+pub(crate) struct NodeSpec {
+    pub(crate) node_id: u32,
+    pub(crate) port: u16,
+    pub(crate) controller_port: u16,
+    pub(crate) voters: String,
+    pub(crate) cluster_id: String,
+    pub(crate) replication: usize,
+    /// The node's directory: `server.properties`, `data/`, `broker.log`.
+    pub(crate) dir: PathBuf,
+}
+
 impl Broker {
-    /// Starts a broker with its node directory under `run_dir` and waits until it serves
-    /// metadata requests.
-    pub(crate) async fn start(run_dir: &Path) -> Result<Self> {
+    /// Starts a node; does not wait for it to be ready (the cluster does, once every node of
+    /// the quorum is started).
+    pub(crate) fn start(spec: NodeSpec) -> Result<Self> {
         let root = repo_root();
         let classpath_file = std::env::var_os("OUTBOX_KAFKA_CLASSPATH_FILE")
             .map_or_else(|| root.join(".services/kafka.classpath"), PathBuf::from);
@@ -113,25 +135,30 @@ impl Broker {
                 node_script.display()
             );
         }
-        let (port, controller_port) = free_ports()?;
-        let dir = run_dir.join("kafka");
-        std::fs::create_dir_all(&dir)?;
+        std::fs::create_dir_all(&spec.dir)?;
         let mut broker = Self {
+            node_id: spec.node_id,
+            voters: spec.voters,
+            replication: spec.replication,
             node_script,
             ready_script: root.join("scripts/kafka-ready"),
             classpath_file,
-            dir,
-            port,
-            controller_port,
-            cluster_id: new_cluster_id(),
+            dir: spec.dir,
+            port: spec.port,
+            controller_port: spec.controller_port,
+            cluster_id: spec.cluster_id,
             child: None,
             going_down: None,
             starting: false,
             started_at: Instant::now(),
         };
         broker.spawn()?;
-        broker.wait_ready().await?;
         Ok(broker)
+    }
+
+    /// The node's id (`node.id`, the leader id in metadata).
+    pub(crate) fn node_id(&self) -> u32 {
+        self.node_id
     }
 
     /// The bootstrap address.
@@ -149,16 +176,15 @@ impl Broker {
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let voters = format!("1@127.0.0.1:{}", self.controller_port);
         let child = Command::new(&self.node_script)
             .arg(&self.dir)
             .args([
-                "1",
+                &self.node_id.to_string(),
                 &self.port.to_string(),
                 &self.controller_port.to_string(),
-                &voters,
+                &self.voters,
                 &self.cluster_id,
-                "1",
+                &self.replication.to_string(),
             ])
             .env("OUTBOX_KAFKA_CLASSPATH_FILE", &self.classpath_file)
             .stdin(Stdio::null())
@@ -169,7 +195,7 @@ impl Broker {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", self.node_script.display()))?;
-        tracing::debug!(pid = ?child.id(), port = self.port, "broker process started");
+        tracing::debug!(pid = ?child.id(), node = self.node_id, port = self.port, "broker process started");
         self.child = Some(child);
         self.starting = true;
         self.started_at = Instant::now();
@@ -204,7 +230,8 @@ impl Broker {
         if let Some(status) = child.try_wait()? {
             self.child = None;
             bail!(
-                "the broker exited by itself ({status}); see {}",
+                "broker {} exited by itself ({status}); see {}",
+                self.node_id,
                 self.log_path().display()
             );
         }
@@ -223,8 +250,11 @@ impl Broker {
         if !self.starting {
             return Ok(true);
         }
+        // Every node's replication is the cluster's size: a node is ready when its metadata
+        // lists all of them, so the next broker fault waits for a whole cluster.
         let ready = tokio::process::Command::new(&self.ready_script)
             .arg(self.address())
+            .arg(self.replication.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
@@ -232,7 +262,7 @@ impl Broker {
             .with_context(|| format!("running {}", self.ready_script.display()))?;
         if ready.success() {
             self.starting = false;
-            tracing::info!(took = ?self.started_at.elapsed(), "broker ready");
+            tracing::info!(node = self.node_id, took = ?self.started_at.elapsed(), "broker ready");
         }
         Ok(ready.success())
     }
@@ -248,7 +278,8 @@ impl Broker {
         while !self.poll_ready().await? {
             if Instant::now() >= deadline {
                 bail!(
-                    "the broker on port {} was not ready within {START_TIMEOUT:?}; see {}",
+                    "broker {} (port {}) was not ready within {START_TIMEOUT:?}; see {}",
+                    self.node_id,
                     self.port,
                     self.log_path().display()
                 );
@@ -266,6 +297,17 @@ impl Broker {
         }
         match self.child.take() {
             Some(child) => take_down(child, Down::Clean, &self.log_path()).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Kills the broker for good (`kill -9`), a restart under way included.
+    pub(crate) async fn kill(&mut self) -> Result<()> {
+        if let Some(task) = self.going_down.take() {
+            task.abort();
+        }
+        match self.child.take() {
+            Some(child) => take_down(child, Down::Kill9, &self.log_path()).await,
             None => Ok(()),
         }
     }
@@ -353,9 +395,10 @@ mod tests {
     }
 
     #[test]
-    fn free_ports_are_two_distinct_ports() {
-        let (a, b) = free_ports().expect("two free ports");
-        assert_ne!(a, b);
-        assert_ne!(a, 0);
+    fn free_ports_are_distinct() {
+        let ports = free_ports(6).expect("six free ports");
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), 6, "{ports:?}");
+        assert!(!distinct.contains(&0));
     }
 }

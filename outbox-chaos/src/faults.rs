@@ -10,7 +10,8 @@ use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 
-use crate::broker::{Broker, Down};
+use crate::broker::Down;
+use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::fleet::{Fleet, Role, lock};
 use crate::profile::Profile;
@@ -20,7 +21,7 @@ use crate::summary::Kind;
 #[derive(Debug)]
 pub(crate) struct Chaos<'a> {
     pub(crate) fleet: &'a Mutex<Fleet>,
-    pub(crate) broker: &'a mut Broker,
+    pub(crate) broker: &'a mut Cluster,
     pub(crate) db: &'a ChaosDb,
     pub(crate) profile: &'a Profile,
     pub(crate) topic: &'a str,
@@ -33,22 +34,20 @@ pub(crate) struct Chaos<'a> {
     leaving: Vec<(usize, Instant)>,
 }
 
-/// Faults the loop picks from, with weights. Consumers are killed at any moment, a member
-/// still joining its group included. `BrokerRestart` stands for a broker fault of either kind:
-/// they alternate, clean restart first, so every run with two broker faults has both.
-const MENU: [(Kind, u32); 6] = [
+/// Faults the loop picks from, with weights, besides broker faults (weighted by the
+/// profile). Consumers are killed at any moment, a member still joining its group included.
+const MENU: [(Kind, u32); 5] = [
     (Kind::RelayKill, 6),
     (Kind::ConsumerKill, 6),
     (Kind::ProducerKill, 2),
     (Kind::PgTerminate, 3),
-    (Kind::BrokerRestart, 2),
     (Kind::Rebalance, 3),
 ];
 
 impl<'a> Chaos<'a> {
     pub(crate) fn new(
         fleet: &'a Mutex<Fleet>,
-        broker: &'a mut Broker,
+        broker: &'a mut Cluster,
         db: &'a ChaosDb,
         profile: &'a Profile,
         topic: &'a str,
@@ -115,9 +114,12 @@ impl<'a> Chaos<'a> {
                 }
                 continue;
             }
+            // `BrokerRestart` stands for a broker fault of either kind: they alternate, clean
+            // restart first, so every run with two broker faults has both.
+            let broker_fault = (Kind::BrokerRestart, self.profile.broker_fault_weight);
             let menu: Vec<(Kind, u32)> = MENU
                 .into_iter()
-                .filter(|(k, _)| broker_up || *k != Kind::BrokerRestart)
+                .chain(broker_up.then_some(broker_fault))
                 .collect();
             let kind = menu
                 .choose_weighted(&mut self.rng, |(_, w)| *w)
@@ -207,9 +209,28 @@ impl<'a> Chaos<'a> {
                 };
                 self.broker_faults += 1;
                 let downtime = Duration::from_millis(self.rng.random_range(300..3000));
-                tracing::info!(?how, ?downtime, "fault: broker down");
-                self.broker.restart(how, downtime);
-                lock(self.fleet).counts.add(kind, 1);
+                let partition = self.rng.random_range(0..self.profile.partitions);
+                match self
+                    .broker
+                    .restart_leader(self.topic, partition, how, downtime)
+                    .await
+                {
+                    Ok(node) => {
+                        tracing::info!(
+                            ?how,
+                            ?downtime,
+                            partition,
+                            node,
+                            "fault: partition leader down"
+                        );
+                        lock(self.fleet).counts.add(kind, 1);
+                    }
+                    // A metadata request can fail while leadership moves; the loop goes on.
+                    Err(error) => {
+                        self.broker_faults -= 1;
+                        tracing::warn!(%error, "no partition leader found; broker fault skipped");
+                    }
+                }
             }
             Kind::Rebalance => self.rebalance()?,
             _ => {}

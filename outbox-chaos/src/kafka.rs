@@ -11,9 +11,15 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 
-/// Creates `topic` (the broker does not auto-create topics), retrying until the broker
-/// answers.
-pub(crate) async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> Result<()> {
+/// Creates `topic` with `replication` replicas (the broker does not auto-create topics),
+/// retrying until the broker answers.
+pub(crate) async fn create_topic(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    replication: usize,
+) -> Result<()> {
+    let replication = i32::try_from(replication)?;
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
@@ -21,7 +27,11 @@ pub(crate) async fn create_topic(brokers: &str, topic: &str, partitions: i32) ->
     loop {
         let attempt = admin
             .create_topics(
-                &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+                &[NewTopic::new(
+                    topic,
+                    partitions,
+                    TopicReplication::Fixed(replication),
+                )],
                 &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
             )
             .await;

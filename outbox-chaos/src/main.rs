@@ -1,8 +1,9 @@
 //! `outbox-chaos`: the reliability chaos harness (issue #4).
 //!
 //! It runs the framework the way production does — separate OS processes against the real
-//! Postgres and its own Apache Kafka broker (one KRaft node on free ports, started through
-//! `scripts/kafka-node`, its data in the run's directory) — and
+//! Postgres and its own Apache Kafka cluster (KRaft nodes on free ports, started through
+//! `scripts/kafka-node`, their data in the run's directory: one node, or three with
+//! replication factor 3 and `min.insync.replicas` 2 in the `cluster` profile) — and
 //! breaks it on purpose, then proves nothing was lost, doubled, reordered or leaked:
 //!
 //! * a **producer** process writes a state change and its outbox rows in one transaction
@@ -16,8 +17,9 @@
 //! relays (mid-batch) and consumers (mid-handler); relays that crash after Kafka acknowledged
 //! a batch but before marking it; consumers that crash after their handler committed but
 //! before the offset was stored; producers killed before and after their commit; members
-//! joining and leaving the group (rebalances); the broker shut down cleanly (SIGTERM) or
-//! crashed (`kill -9`) and started again on the same storage; every
+//! joining and leaving the group (rebalances); the leader of a random partition (with one
+//! node, the broker) shut down cleanly (SIGTERM) or crashed (`kill -9`) and started again on
+//! the same storage; every
 //! Postgres connection of the run terminated with `pg_terminate_backend`; and malformed
 //! records injected straight into the live topic.
 //!
@@ -31,6 +33,7 @@
 //!
 //! ```text
 //! outbox-chaos run --profile ci            # ≈2–3 minutes (the test suite runs this)
+//! outbox-chaos run --profile cluster       # ≈3 minutes, three brokers (the test suite too)
 //! outbox-chaos run --profile long --seed 7 # ≈20 minutes (five runs)
 //! ```
 //! The broker's jars come from `scripts/services.sh` (`resolve_jars kafka`), found through
@@ -41,6 +44,7 @@
 mod broker;
 mod checker;
 mod children;
+mod cluster;
 mod db;
 mod faults;
 mod fleet;

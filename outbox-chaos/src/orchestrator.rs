@@ -10,9 +10,9 @@ use outbox_core::TableNames;
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::Broker;
 use crate::checker::{self, Target};
 use crate::children::producer::key_name;
+use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::faults::Chaos;
 use crate::fleet::{Fleet, Launch, Role, lock, wait_fleet};
@@ -25,7 +25,8 @@ const GROUP_B: &str = "chaos-b";
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
-    /// `ci` (≈2–3 min, the test suite's) or `long` (≈20 min, five runs).
+    /// `ci` (≈2–3 min, the test suite's), `cluster` (the same on three brokers, partition
+    /// leaders killed) or `long` (≈20 min, five runs).
     #[arg(long, value_enum, default_value = "ci")]
     profile: ProfileName,
     /// Seed of every random choice (fault kinds and timing, workload); random if absent.
@@ -106,10 +107,10 @@ async fn run_one(
     std::fs::create_dir_all(&logs)?;
     let keys: Vec<String> = (0..profile.keys).map(key_name).collect();
     let db = ChaosDb::create(&args.database_url, tables, &keys).await?;
-    let mut broker = Broker::start(&dir).await?;
+    let mut broker = Cluster::start(&dir, profile.brokers).await?;
     let brokers = broker.address();
     let topic = format!("chaos.{run_id}");
-    crate::kafka::create_topic(&brokers, &topic, profile.partitions).await?;
+    crate::kafka::create_topic(&brokers, &topic, profile.partitions, broker.size()).await?;
     tracing::info!(database = %db.name, %brokers, %topic, dir = %dir.display(), seed, "run starting");
 
     let launch = Launch {
@@ -221,7 +222,7 @@ async fn supervise(fleet: Arc<Mutex<Fleet>>, stop: CancellationToken) -> Result<
 /// event, and every group has quarantined every malformed record. `false` on timeout. Nothing
 /// is done to help a group along: a group that stands still is a failed run.
 async fn wait_drained(
-    broker: &mut Broker,
+    broker: &mut Cluster,
     pool: &PgPool,
     tables: &TableNames,
     topic: &str,

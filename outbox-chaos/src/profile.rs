@@ -9,6 +9,8 @@ pub(crate) enum ProfileName {
     Ci,
     /// By hand: about 20 minutes, five runs.
     Long,
+    /// The test suite's, on a 3-broker cluster: partition leaders killed under load.
+    Cluster,
 }
 
 /// Run parameters.
@@ -23,6 +25,10 @@ pub(crate) struct Profile {
     pub(crate) max_faults: u32,
     /// Pause between two orchestrated faults, in milliseconds.
     pub(crate) fault_gap_ms: (u64, u64),
+    /// Kafka nodes (broker and controller each); the topic's replication factor.
+    pub(crate) brokers: usize,
+    /// Weight of a broker fault among the fault loop's choices (the others weigh 20 in all).
+    pub(crate) broker_fault_weight: u32,
     /// Topic partitions.
     pub(crate) partitions: i32,
     /// Aggregate keys.
@@ -48,6 +54,8 @@ impl Profile {
                 fault_phase: Duration::from_secs(90),
                 max_faults: 80,
                 fault_gap_ms: (400, 1200),
+                brokers: 1,
+                broker_fault_weight: 2,
                 partitions: 4,
                 keys: 24,
                 // At 10-40 ms the debug build's consumers ended the fault phase half behind
@@ -65,6 +73,8 @@ impl Profile {
                 fault_phase: Duration::from_secs(150),
                 max_faults: 150,
                 fault_gap_ms: (400, 1500),
+                brokers: 1,
+                broker_fault_weight: 2,
                 partitions: 6,
                 keys: 64,
                 // The release build's consumers keep up with about twice the CI profile's rate.
@@ -73,6 +83,15 @@ impl Profile {
                 group_a_members: 4,
                 poison_rounds: 4,
                 drain_timeout: Duration::from_secs(180),
+            },
+            ProfileName::Cluster => Self {
+                name: "cluster",
+                // The CI profile on three nodes, with broker faults weighted up: a node
+                // restart takes longer than one fault gap, and the loop takes no second node
+                // down while one is starting, so most broker picks are skipped.
+                broker_fault_weight: 10,
+                brokers: 3,
+                ..Self::named(ProfileName::Ci)
             },
         }
     }

@@ -7,7 +7,8 @@ use crate::ConsumerError;
 
 /// Deletes dedup rows processed more than `older_than` ago, at most `batch` rows per
 /// statement (each its own short transaction), so it never holds long locks and can run while
-/// consumers run. Returns how many rows it removed.
+/// consumers run, one instance at a time (another finds it running and returns 0). Returns
+/// how many rows it removed.
 ///
 /// Pick `older_than` longer than the longest time an event can be redelivered: the topic's
 /// retention, or how far back a consumer group could be reset, plus the relay's longest
@@ -27,5 +28,5 @@ pub async fn prune(
             SELECT ctid FROM {t} WHERE processed_at < now() - $1 * interval '1 millisecond' \
             LIMIT $2))"
     );
-    Ok(outbox_core::delete_in_batches(conn, query, older_than, batch).await?)
+    Ok(outbox_core::delete_in_batches(conn, t, query, older_than, batch).await?)
 }

@@ -6,9 +6,42 @@ use sqlx::{AssertSqlSafe, PgConnection};
 /// run deletes fewer than `batch` rows. Each run is its own short statement, so pruning never
 /// holds many locks for long and can run beside relays and consumers. Returns the total.
 ///
+/// One instance at a time prunes `table`: the others find its session advisory lock taken
+/// and return 0 at once, instead of deleting the same rows side by side (which in peers'
+/// experience contended and deadlocked at volume).
+///
 /// Shared by the framework's prune functions; `delete` must be built only from validated
 /// [`crate::Ident`]s.
 pub async fn delete_in_batches(
+    conn: &mut PgConnection,
+    table: &crate::Ident,
+    delete: String,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, sqlx::Error> {
+    let locked: bool =
+        sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext($1))")
+            .bind(table.as_str())
+            .fetch_one(&mut *conn)
+            .await?;
+    if !locked {
+        tracing::info!(
+            table = table.as_str(),
+            "another instance is pruning; skipped"
+        );
+        return Ok(0);
+    }
+    let pruned = delete_while_full(conn, delete, older_than, batch).await;
+    let unlocked = sqlx::query("SELECT pg_advisory_unlock(hashtext('outbox_prune'), hashtext($1))")
+        .bind(table.as_str())
+        .execute(&mut *conn)
+        .await;
+    let pruned = pruned?;
+    unlocked?;
+    Ok(pruned)
+}
+
+async fn delete_while_full(
     conn: &mut PgConnection,
     delete: String,
     older_than: Duration,

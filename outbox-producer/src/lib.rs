@@ -43,7 +43,7 @@ mod sql;
 
 pub use enqueue::{Outbox, enqueue, enqueue_all};
 pub use error::ProducerError;
-pub use maintenance::{OutboxStats, prune_published, stats};
+pub use maintenance::{OutboxStats, STATS_COUNT_CAP, prune_published, stats};
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;

@@ -5,36 +5,50 @@ use sqlx::{AssertSqlSafe, PgConnection};
 
 use crate::ProducerError;
 
+/// Counts stop at this many rows: past it the alarm is the same, and counting further would
+/// make each read cost as much as the backlog.
+pub const STATS_COUNT_CAP: i64 = 1_000_000;
+
 /// How the outbox is doing: what to alarm on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct OutboxStats {
-    /// Rows waiting to be published.
+    /// Rows waiting to be published, counted up to [`STATS_COUNT_CAP`].
     pub pending: i64,
-    /// Age of the oldest pending row in milliseconds (the relay's lag), if any is pending.
+    /// Age in milliseconds of the first pending row in sequence order (the relay's lag), if
+    /// any is pending.
     pub oldest_pending_age_ms: Option<i64>,
-    /// Rows in quarantine, waiting for an operator.
+    /// Rows in quarantine, waiting for an operator, counted up to [`STATS_COUNT_CAP`].
     pub quarantined: i64,
 }
 
-/// Reads [`OutboxStats`]. Uses the pending index, so it stays cheap however many published
-/// rows are retained.
+/// Reads [`OutboxStats`] with bounded index scans: the lag from the first entry of the
+/// pending index, the counts stopping at [`STATS_COUNT_CAP`]. It never reads the published
+/// rows, however many are retained.
 pub async fn stats(
     conn: &mut PgConnection,
     tables: &TableNames,
 ) -> Result<OutboxStats, ProducerError> {
     let t = &tables.outbox;
     let query = format!(
-        "SELECT (SELECT count(*) FROM {t} WHERE status = 'pending') AS pending, \
-                (SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::bigint \
-                   FROM {t} WHERE status = 'pending') AS oldest_pending_age_ms, \
-                (SELECT count(*) FROM {t} WHERE status = 'quarantined') AS quarantined"
+        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'pending' LIMIT $1) AS p) \
+                  AS pending, \
+                (SELECT (extract(epoch FROM now() - created_at) * 1000)::bigint \
+                   FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1) AS oldest_pending_age_ms, \
+                (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'quarantined' LIMIT $1) AS q) \
+                  AS quarantined"
     );
-    Ok(sqlx::query_as(AssertSqlSafe(query)).fetch_one(conn).await?)
+    Ok(sqlx::query_as(AssertSqlSafe(query))
+        .bind(STATS_COUNT_CAP)
+        .fetch_one(conn)
+        .await?)
 }
 
 /// Deletes published rows older than `older_than`, `batch` rows per statement so no lock is
-/// held for long and relays keep running (rows a relay has locked are skipped). Returns how many rows were removed.
+/// held for long and relays keep running (rows a relay has locked are skipped), one instance
+/// at a time (another finds it running and returns 0). Each batch reads only the rows it
+/// deletes, through the index on `published_at` of published rows. Returns how many rows were
+/// removed.
 pub async fn prune_published(
     conn: &mut PgConnection,
     tables: &TableNames,
@@ -48,5 +62,5 @@ pub async fn prune_published(
               AND published_at < now() - $1 * interval '1 millisecond' \
             LIMIT $2 FOR UPDATE SKIP LOCKED)"
     );
-    Ok(outbox_core::delete_in_batches(conn, query, older_than, batch).await?)
+    Ok(outbox_core::delete_in_batches(conn, t, query, older_than, batch).await?)
 }

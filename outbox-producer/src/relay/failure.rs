@@ -4,20 +4,27 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 use super::RelayConfig;
 
-/// Whether retrying a failed publish can succeed.
+/// Whose failure a failed publish is, and whether retrying it can succeed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FailureKind {
-    /// The same record will fail again (too large, invalid topic, not authorized).
+    /// The row's own, for good: the same record will fail again (too large, invalid topic,
+    /// not authorized, malformed headers). Quarantined at once.
     Permanent,
-    /// The broker may accept it later (unreachable, timed out, topic not there yet).
+    /// The row's own, for now: the broker answered and refused this record (topic not there
+    /// yet, not enough replicas). Charged an attempt and retried after a backoff.
     Transient,
+    /// No broker answered for this record (timed out, connection down, client queue full):
+    /// the relay's failure, not the row's, unless a broker still answers a metadata request
+    /// (then the record's partition is at fault, and the failure counts as [`Self::Transient`]).
+    NoAnswer,
 }
 
 pub(crate) fn classify(error: &KafkaError) -> FailureKind {
     use RDKafkaErrorCode as C;
     let code = match error {
         KafkaError::MessageProduction(code) => *code,
-        _ => return FailureKind::Transient,
+        // Canceled: the client went away before it reported; nothing was said about the record.
+        _ => return FailureKind::NoAnswer,
     };
     match code {
         C::MessageSizeTooLarge
@@ -29,6 +36,16 @@ pub(crate) fn classify(error: &KafkaError) -> FailureKind {
         | C::TopicAuthorizationFailed
         | C::ClusterAuthorizationFailed
         | C::UnsupportedForMessageFormat => FailureKind::Permanent,
+        C::MessageTimedOut
+        | C::BrokerTransportFailure
+        | C::AllBrokersDown
+        | C::Resolve
+        | C::OperationTimedOut
+        | C::QueueFull
+        | C::PurgeQueue
+        | C::PurgeInflight
+        | C::RequestTimedOut
+        | C::NetworkException => FailureKind::NoAnswer,
         _ => FailureKind::Transient,
     }
 }
@@ -43,7 +60,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn size_and_topic_errors_are_permanent_timeouts_are_not() {
+    fn size_and_topic_errors_are_permanent_silence_is_no_answer() {
         let e = |c| KafkaError::MessageProduction(c);
         assert_eq!(
             classify(&e(RDKafkaErrorCode::MessageSizeTooLarge)),
@@ -55,13 +72,17 @@ mod tests {
         );
         assert_eq!(
             classify(&e(RDKafkaErrorCode::MessageTimedOut)),
-            FailureKind::Transient
+            FailureKind::NoAnswer
         );
         assert_eq!(
             classify(&e(RDKafkaErrorCode::UnknownTopicOrPartition)),
             FailureKind::Transient
         );
-        assert_eq!(classify(&KafkaError::Canceled), FailureKind::Transient);
+        assert_eq!(classify(&KafkaError::Canceled), FailureKind::NoAnswer);
+        assert_eq!(
+            classify(&e(RDKafkaErrorCode::NotEnoughReplicas)),
+            FailureKind::Transient
+        );
     }
 
     #[test]

@@ -1,10 +1,4 @@
-use std::collections::BTreeMap;
-
-use chrono::{DateTime, Utc};
-use outbox_core::{EventId, wire};
 use rdkafka::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use sqlx::types::Json;
 
 /// Settings the relay's at-least-once, in-order promise rests on. They are applied on top of
 /// whatever the caller configured, since the relay's guarantees are false without them.
@@ -40,40 +34,22 @@ pub(crate) fn enforce_required(config: &mut ClientConfig) {
     }
 }
 
-/// One claimed outbox row.
-#[derive(Debug, sqlx::FromRow)]
-pub(crate) struct OutboxRow {
-    pub(crate) seq: i64,
-    pub(crate) id: EventId,
-    pub(crate) aggregateid: String,
-    #[sqlx(rename = "type")]
-    pub(crate) event_type: String,
-    pub(crate) payload: String,
-    pub(crate) headers: Json<BTreeMap<String, String>>,
-    pub(crate) topic: String,
-    pub(crate) created_at: DateTime<Utc>,
-    pub(crate) attempts: i32,
-}
-
-impl OutboxRow {
-    /// The Kafka headers of this row under the wire contract.
-    pub(crate) fn kafka_headers(&self) -> OwnedHeaders {
-        let id = self.id.to_string();
-        let contract = [
-            (wire::HEADER_ID, id.as_str()),
-            (wire::HEADER_TYPE, self.event_type.as_str()),
-        ];
-        contract
-            .into_iter()
-            .chain(self.headers.0.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .fold(
-                OwnedHeaders::new_with_capacity(2 + self.headers.0.len()),
-                |h, (key, value)| {
-                    h.insert(Header {
-                        key,
-                        value: Some(value),
-                    })
-                },
-            )
-    }
+/// Whether a broker answers a metadata request within `timeout` (for `topic`, or for all
+/// topics): tells a record's own failure from an unreachable cluster. Off the async runtime,
+/// since librdkafka blocks.
+pub(crate) async fn broker_answers(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: Option<String>,
+    timeout: std::time::Duration,
+) -> bool {
+    use rdkafka::producer::Producer;
+    let producer = producer.clone();
+    tokio::task::spawn_blocking(move || {
+        producer
+            .client()
+            .fetch_metadata(topic.as_deref(), timeout)
+            .is_ok()
+    })
+    .await
+    .unwrap_or(false)
 }

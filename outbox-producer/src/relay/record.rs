@@ -1,0 +1,110 @@
+//! Recording a batch's outcomes on the claim's transaction: acknowledged rows are marked
+//! published (or deleted), the rows' own failures are charged an attempt or quarantined, and
+//! rows no broker answered for are left exactly as they were.
+
+use sqlx::PgConnection;
+
+use super::failure::{FailureKind, backoff, classify};
+use super::publish::Outcome;
+use super::row::OutboxRow;
+use super::{AfterPublish, BatchReport, RelayConfig};
+use crate::ProducerError;
+use crate::sql::RelaySql;
+
+/// Records `outcomes` of `rows`. `broker_answers` tells whether a broker answered after the
+/// batch: if not, failures nobody answered for are the relay's, and charge no row.
+pub(crate) async fn record(
+    conn: &mut PgConnection,
+    config: &RelayConfig,
+    sql: &RelaySql,
+    rows: &[OutboxRow],
+    outcomes: Vec<Outcome>,
+    broker_answers: bool,
+) -> Result<BatchReport, ProducerError> {
+    let mut report = BatchReport {
+        claimed: rows.len(),
+        ..BatchReport::default()
+    };
+    let mut published = Vec::new();
+    let table = config.tables.outbox.as_str().to_owned();
+    // From the decision (created_at) to Kafka's acknowledgement.
+    let latency =
+        metrics::histogram!("outbox_relay_publish_latency_seconds", "table" => table.clone());
+    let now = chrono::Utc::now();
+    let (mut seqs, mut statuses, mut delays, mut errors) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (row, outcome) in rows.iter().zip(outcomes) {
+        let (kind, error) = match outcome {
+            Outcome::Delivered => {
+                published.push(row.seq);
+                let age = (now - row.created_at).to_std().unwrap_or_default();
+                latency.record(age.as_secs_f64());
+                continue;
+            }
+            Outcome::Deferred => {
+                report.deferred += 1;
+                continue;
+            }
+            Outcome::Unconfirmed => {
+                report.unconfirmed += 1;
+                continue;
+            }
+            Outcome::Defective(defect) => (FailureKind::Permanent, defect.to_string()),
+            Outcome::Failed(error) => match classify(&error) {
+                FailureKind::NoAnswer if !broker_answers => {
+                    report.unconfirmed += 1;
+                    report.broker_unreachable = true;
+                    continue;
+                }
+                FailureKind::NoAnswer => (FailureKind::Transient, error.to_string()),
+                kind => (kind, error.to_string()),
+            },
+        };
+        let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
+        let quarantine = kind == FailureKind::Permanent || attempts >= config.max_attempts;
+        let reason = format!("{kind:?} after attempt {attempts}: {error}");
+        if quarantine {
+            report.quarantined += 1;
+            tracing::error!(event_id = %row.id, topic = %row.topic, attempts, %error, "quarantined outbox row");
+            statuses.push("quarantined");
+            delays.push(0.0);
+        } else {
+            report.retried += 1;
+            let delay = backoff(config, attempts - 1);
+            tracing::warn!(event_id = %row.id, topic = %row.topic, attempts, retry_in = ?delay, %error, "publish failed; will retry");
+            statuses.push("pending");
+            delays.push(delay.as_secs_f64() * 1000.0);
+        }
+        seqs.push(row.seq);
+        errors.push(reason);
+    }
+    report.published = published.len();
+    metrics::counter!("outbox_relay_published_total", "table" => table.clone())
+        .increment(published.len() as u64);
+    metrics::counter!("outbox_relay_failed_total", "table" => table.clone())
+        .increment(seqs.len() as u64);
+    metrics::counter!("outbox_relay_quarantined_total", "table" => table.clone())
+        .increment(report.quarantined as u64);
+    metrics::counter!("outbox_relay_unconfirmed_total", "table" => table)
+        .increment(report.unconfirmed as u64);
+    if !published.is_empty() {
+        let statement = match config.after_publish {
+            AfterPublish::Mark => &sql.mark_published,
+            AfterPublish::Delete => &sql.delete_published,
+        };
+        sqlx::query(statement.clone())
+            .bind(&published)
+            .execute(&mut *conn)
+            .await?;
+    }
+    if !seqs.is_empty() {
+        sqlx::query(sql.record_failures.clone())
+            .bind(&seqs)
+            .bind(&statuses)
+            .bind(&delays)
+            .bind(&errors)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(report)
+}

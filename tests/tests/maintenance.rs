@@ -1,0 +1,54 @@
+//! Pruning runs one instance at a time, and the stats stay bounded reads.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_producer::{NewEvent, TableNames};
+use outbox_tests::{TestDb, count_status};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mut tx = db.pool.begin().await?;
+    for n in 0..10 {
+        let e = NewEvent::new("order", "k", "OrderChanged", &json!({ "n": n }))?;
+        outbox_producer::enqueue(&mut tx, &e).await?;
+    }
+    tx.commit().await?;
+    sqlx::query(
+        "UPDATE outbox_events SET status = 'published', published_at = now() - interval '1 day'",
+    )
+    .execute(&db.pool)
+    .await?;
+    let tables = TableNames::default();
+
+    // Another instance is pruning this table: it holds the prune lock on its session.
+    let mut other = db.pool.acquire().await?;
+    let taken: bool = sqlx::query_scalar(
+        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'))",
+    )
+    .fetch_one(&mut *other)
+    .await?;
+    assert!(taken);
+    let mut conn = db.pool.acquire().await?;
+    let pruned =
+        outbox_producer::prune_published(&mut conn, &tables, Duration::from_secs(60), 3).await?;
+    assert_eq!(pruned, 0, "one instance prunes at a time");
+    assert_eq!(count_status(&db.pool, "published").await?, 10);
+
+    sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut *other)
+        .await?;
+    let pruned =
+        outbox_producer::prune_published(&mut conn, &tables, Duration::from_secs(60), 3).await?;
+    assert_eq!(pruned, 10);
+    // The lock is released after a run: the other session can take it again.
+    let again: bool = sqlx::query_scalar(
+        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'))",
+    )
+    .fetch_one(&mut *other)
+    .await?;
+    assert!(again, "a prune run releases its lock");
+    Ok(())
+}

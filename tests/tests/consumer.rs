@@ -791,3 +791,181 @@ async fn a_binary_header_of_another_producer_is_kept_and_quarantines_nothing() -
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_database_rejects_is_quarantined_and_the_partition_flows() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    // Checked at COMMIT, not at the INSERT: the handler itself succeeds every time.
+    sqlx::query("CREATE TABLE claims (k TEXT UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("INSERT INTO claims VALUES ('taken')")
+        .execute(&db.pool)
+        .await?;
+    let topic = random_topic(1).await?;
+    let (rejected, accepted) = (EventId::new(), EventId::new());
+    send_event(&topic, rejected, "taken", r#"{"n":1}"#).await?;
+    send_event(&topic, accepted, "free", r#"{"n":2}"#).await?;
+
+    let config = ConsumerConfig::new("c1")
+        .max_attempts(3)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let c1 = DedupConsumer::new(
+        db.pool.clone(),
+        config,
+        |event: &Event<Order>, tx: &mut Transaction<'static, Postgres>| {
+            Box::pin(async move {
+                record_effect(event, tx).await?;
+                sqlx::query("INSERT INTO claims VALUES ($1)")
+                    .bind(&event.key)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }) as HandlerFuture<'_>
+        },
+    )?;
+    let stream = stream(&topic, &unique("g"))?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (c1, shutdown) = (c1.clone(), shutdown.clone());
+        async move { c1.run(stream, shutdown).await }
+    });
+    eventually(
+        "the rejected message quarantined, the next one processed",
+        Duration::from_secs(30),
+        || async {
+            let s = c1.stats();
+            Ok(s.quarantined == 1 && s.processed == 1)
+        },
+    )
+    .await?;
+    shutdown.cancel();
+    run.await??;
+
+    assert_eq!(
+        c1.stats().handler_errors,
+        3,
+        "each rejected COMMIT is an attempt"
+    );
+    assert_eq!(effects(&db.pool, rejected).await?, 0, "rolled back");
+    assert_eq!(effects(&db.pool, accepted).await?, 1);
+    let (reason, event_id, error): (String, Option<EventId>, String) =
+        sqlx::query_as("SELECT reason, event_id, error FROM outbox_consumer_quarantine")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(
+        (reason.as_str(), event_id),
+        ("commit_failed", Some(rejected))
+    );
+    assert!(
+        error.starts_with("after 3 attempts: ") && error.contains("SQLSTATE 23505"),
+        "{error}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_backing_off_gives_its_turn_to_the_others() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(2).await?;
+    let (failing, fine) = (EventId::new().to_string(), EventId::new());
+    let contract = |id: &str| {
+        vec![
+            ("id", id.as_bytes().to_vec()),
+            ("type", b"OrderPlaced".to_vec()),
+        ]
+    };
+    let headers = contract(&failing);
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    produce_raw(
+        &topic,
+        Some(0),
+        Some("a"),
+        Some(br#"{"n":1,"fail":true}"#),
+        &headers,
+    )
+    .await?;
+
+    // One turn, and a message that fails for as long as the test runs.
+    let config = ConsumerConfig::new("c1")
+        .max_concurrent_partitions(1)
+        .on_handler_failure(HandlerFailurePolicy::Block)
+        .backoff(Duration::from_millis(200), Duration::from_millis(200));
+    let c1 = consumer(&db, config)?;
+    let (shutdown, run) = spawn_run(&c1, &topic, &unique("g"))?;
+    eventually("partition 0 is retrying", WAIT, || async {
+        Ok(c1.stats().handler_errors >= 2)
+    })
+    .await?;
+
+    let headers = contract(&fine.to_string());
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    produce_raw(&topic, Some(1), Some("b"), Some(br#"{"n":2}"#), &headers).await?;
+    eventually(
+        "partition 1 handled while partition 0 backs off",
+        Duration::from_secs(30),
+        || async { Ok(c1.stats().processed == 1) },
+    )
+    .await?;
+    let errors = c1.stats().handler_errors;
+    eventually("partition 0 still retrying", WAIT, || async {
+        Ok(c1.stats().handler_errors > errors)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(effects(&db.pool, fine).await?, 1);
+    assert_eq!(c1.stats().quarantined, 0, "Block never quarantines");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_consumer_error_ends_run_with_a_typed_error() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let id = EventId::new();
+    send_event(&topic, id, "k", r#"{"n":1}"#).await?;
+    let mut kafka = consumer_config(&kafka_bootstrap(), &unique("g"));
+    kafka
+        .set("group.instance.id", unique("member"))
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500");
+    let first = stream_consumer(&kafka)?;
+    first.subscribe(&[topic.as_str()])?;
+    let c1 = consumer(&db, ConsumerConfig::new("c1"))?;
+    let run = tokio::spawn({
+        let c1 = c1.clone();
+        async move { c1.run(first, CancellationToken::new()).await }
+    });
+    eventually("the first member is consuming", WAIT, || async {
+        Ok(c1.stats().processed == 1)
+    })
+    .await?;
+
+    // A second member with the same static identity fences the first: librdkafka reports a
+    // fatal error to it, after which it fetches nothing.
+    let second = Arc::new(stream_consumer(&kafka)?);
+    second.subscribe(&[topic.as_str()])?;
+    let polling = tokio::spawn({
+        let second = Arc::clone(&second);
+        async move {
+            loop {
+                let _ = second.recv().await;
+            }
+        }
+    });
+    let ended = tokio::time::timeout(WAIT, run).await;
+    polling.abort();
+    let _ = polling.await;
+    tokio::task::spawn_blocking(move || drop(second)).await?;
+    let ended = ended.map_err(|_| anyhow::anyhow!("run went on after a fatal error"))??;
+    assert!(
+        matches!(ended, Err(ConsumerError::KafkaFatal { .. })),
+        "{ended:?}"
+    );
+    assert_eq!(effects(&db.pool, id).await?, 1);
+    Ok(())
+}

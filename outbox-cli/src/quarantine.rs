@@ -133,16 +133,15 @@ pub(crate) async fn run(
                 ids.len()
             );
             for r in &rows {
-                let headers = r
-                    .headers
-                    .0
-                    .iter()
-                    .fold(OwnedHeaders::new(), |h, (key, value)| {
-                        h.insert(Header {
-                            key,
-                            value: Some(value.as_str().unwrap_or_default()),
-                        })
-                    });
+                let headers =
+                    r.record_headers()?
+                        .iter()
+                        .fold(OwnedHeaders::new(), |h, (key, value)| {
+                            h.insert(Header {
+                                key,
+                                value: value.as_deref(),
+                            })
+                        });
                 let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
                     .partition(r.partition)
                     .headers(headers);

@@ -3,6 +3,9 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use outbox_core::EventId;
 
+/// One Kafka header as received: its name and its value's bytes (`None`: no value).
+pub type RawHeader = (String, Option<Vec<u8>>);
+
 /// A decoded event, as the handler receives it.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -16,8 +19,12 @@ pub struct Event<P> {
     pub event_type: Option<String>,
     /// The payload, decoded from JSON.
     pub payload: P,
-    /// All headers.
+    /// The headers whose values are UTF-8 text, by name (a name that repeats keeps its last
+    /// value; `id` and `type` never repeat, such records are quarantined).
     pub headers: BTreeMap<String, String>,
+    /// Every header as received, in order, bytes intact: what another producer's binary
+    /// headers are read from.
+    pub raw_headers: Vec<RawHeader>,
     /// Topic it was read from.
     pub topic: String,
     /// Partition it was read from.

@@ -53,10 +53,14 @@
 
 mod assignment;
 mod config;
-mod dedup;
+mod consumer;
+mod decode;
+mod dedup_transaction;
 mod error;
 mod event;
+mod failure;
 mod partition_queue;
+mod permit;
 mod prune;
 pub mod quarantine;
 mod runner;
@@ -65,9 +69,9 @@ mod sql;
 
 pub use assignment::{DedupContext, stream_consumer};
 pub use config::{ConsumerConfig, HandlerFailurePolicy};
-pub use dedup::{ConsumerStats, DedupConsumer, Handler, HandlerError, HandlerFuture, Outcome};
+pub use consumer::{ConsumerStats, DedupConsumer, Handler, HandlerError, HandlerFuture, Outcome};
 pub use error::ConsumerError;
-pub use event::Event;
+pub use event::{Event, RawHeader};
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;

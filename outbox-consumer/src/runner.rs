@@ -15,8 +15,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::assignment::{DedupContext, stream_consumer};
-use crate::dedup::{Handler, Outcome};
+use crate::consumer::{Handler, Outcome};
 use crate::partition_queue::{PartitionReceiver, PartitionSender, Queued, partition_queue};
+use crate::permit::Turn;
 use crate::{ConsumerConfig, ConsumerError, DedupConsumer};
 
 /// Settings the consumer's guarantees rest on, applied over the caller's.
@@ -102,7 +103,13 @@ where
     /// its queue (the partition's next owner reads them from the committed offset). On
     /// shutdown, messages being handled finish, queued ones are left for redelivery, stored
     /// offsets are committed within `shutdown_timeout`, and the client is closed off the
-    /// async runtime, so a dead broker cannot hang the caller.
+    /// async runtime, so a dead broker cannot hang the caller. A message waiting out a retry
+    /// backoff does not count against `max_concurrent_partitions` while it waits.
+    ///
+    /// Returns `Ok` after shutdown; [`ConsumerError::KafkaFatal`] when the Kafka client hit a
+    /// fatal error (it would fetch nothing more), and the error of a partition worker that
+    /// stopped on a fault; in both cases the other partitions stop after their current
+    /// message, and the stored offsets are committed as on shutdown.
     pub async fn run(
         &self,
         consumer: StreamConsumer<DedupContext>,
@@ -112,9 +119,12 @@ where
         let permits = Arc::new(Semaphore::new(self.inner.config.max_concurrent_partitions));
         let mut queues: HashMap<(String, i32), PartitionSender> = HashMap::new();
         let mut workers = JoinSet::new();
+        // Workers stop at this token, which is also cut when the loop stops on a fault: their
+        // queued messages are then redelivered, not handled by a consumer that is going away.
+        let stop = shutdown.child_token();
         let result = loop {
             let received = tokio::select! {
-                () = shutdown.cancelled() => break Ok(()),
+                () = stop.cancelled() => break Ok(()),
                 Some(joined) = workers.join_next(), if !workers.is_empty() => {
                     // Workers only stop early on a fault; later offsets must not be stored
                     // past the message it left unhandled, so the whole consumer stops.
@@ -125,6 +135,12 @@ where
             let message = match received {
                 Ok(m) => m.detach(),
                 Err(error) => {
+                    // A fatal error is reported once, and the client fetches nothing after it:
+                    // going on would look alive while consuming nothing.
+                    if let Some(fatal) = fatal(&consumer, &error) {
+                        tracing::error!(%fatal, "fatal kafka consumer error; stopping");
+                        break Err(fatal);
+                    }
                     tracing::warn!(%error, "kafka consumer error");
                     continue;
                 }
@@ -144,7 +160,7 @@ where
                         Arc::clone(&consumer),
                         rx,
                         Arc::clone(&permits),
-                        shutdown.clone(),
+                        stop.clone(),
                     ));
                     tx
                 });
@@ -153,6 +169,9 @@ where
                 self.count_pause();
             }
         };
+        if result.is_err() {
+            stop.cancel();
+        }
         drop(queues);
         let mut result = result;
         while let Some(joined) = workers.join_next().await {
@@ -187,31 +206,25 @@ where
                 self.inner.note_revoked_skip();
                 continue;
             }
-            let _permit = permits
-                .acquire()
-                .await
-                .map_err(|e| ConsumerError::Worker(e.to_string()))?;
+            let mut turn = Turn::take(&permits).await?;
             let mut failures = 0;
             let outcome = loop {
-                match self.process(&message, &shutdown).await {
+                match self.process_in_turn(&message, &shutdown, &mut turn).await {
                     Ok(outcome) => break outcome,
                     Err(error) => {
                         // The database is unavailable: retry this message, never skip it.
                         tracing::warn!(%error, topic = message.topic(), partition = message.partition(),
                             offset = message.offset(), "cannot handle message; retrying");
-                        if shutdown.is_cancelled() {
+                        let delay =
+                            outbox_core::backoff(config.backoff_base, config.backoff_max, failures);
+                        if !turn.back_off(delay, &shutdown).await? {
                             return Ok(());
                         }
-                        tokio::time::sleep(outbox_core::backoff(
-                            config.backoff_base,
-                            config.backoff_max,
-                            failures,
-                        ))
-                        .await;
                         failures = failures.saturating_add(1);
                     }
                 }
             };
+            drop(turn);
             if outcome == Outcome::Abandoned {
                 return Ok(());
             }
@@ -266,6 +279,19 @@ fn store_offset<C: ConsumerContext>(consumer: &StreamConsumer<C>, message: &Owne
         tracing::warn!(%error, topic = message.topic(), partition = message.partition(),
             offset = message.offset(), "could not store offset");
     }
+}
+
+/// The error `run` stops with, if `error` (or the client's state) is fatal.
+fn fatal<C: ConsumerContext>(
+    consumer: &StreamConsumer<C>,
+    error: &KafkaError,
+) -> Option<ConsumerError> {
+    let (code, reason) = match (consumer.client().fatal_error(), error) {
+        (Some(fatal), _) => fatal,
+        (None, KafkaError::MessageConsumptionFatal(code)) => (*code, error.to_string()),
+        (None, _) => return None,
+    };
+    Some(ConsumerError::KafkaFatal { code, reason })
 }
 
 fn flatten(

@@ -12,6 +12,11 @@
 //! | timestamp | `created_at` (milliseconds; the consumer's `Event::timestamp`) | |
 //!
 //! Application headers travel as further UTF-8 headers.
+//!
+//! A record carries `id` and `type` at most once each: Kafka lets a header name repeat, and a
+//! repeated contract header is ambiguous (which one names the event?), so [`decode`] rejects
+//! it rather than picking one. Only the contract headers must be UTF-8; other producers'
+//! headers may hold any bytes.
 
 /// Header carrying the event id (the dedup key).
 pub const HEADER_ID: &str = "id";
@@ -52,9 +57,15 @@ pub enum DecodeError {
     /// The key is not UTF-8.
     #[error("key is not UTF-8")]
     InvalidKey,
-    /// A header value is not UTF-8.
+    /// A contract header (`id`, `type`) is not UTF-8.
     #[error("header {0:?} is not UTF-8")]
     InvalidHeader(String),
+    /// The record carries the `id` header more than once.
+    #[error("`id` header appears {0} times")]
+    AmbiguousId(usize),
+    /// The record carries the `type` header more than once.
+    #[error("`type` header appears {0} times")]
+    AmbiguousType(usize),
     /// The record has no value.
     #[error("record has no payload")]
     MissingPayload,
@@ -71,6 +82,8 @@ impl DecodeError {
             Self::InvalidId(_) => "invalid_id",
             Self::InvalidKey => "invalid_key",
             Self::InvalidHeader(_) => "invalid_header",
+            Self::AmbiguousId(_) => "ambiguous_id",
+            Self::AmbiguousType(_) => "ambiguous_type",
             Self::MissingPayload => "missing_payload",
             Self::InvalidJson(_) => "invalid_json",
         }
@@ -79,22 +92,39 @@ impl DecodeError {
 
 /// Decodes a record's parts under the contract. The `id` header may be plain UUID text (this
 /// relay, Debezium's `SimpleHeaderConverter`) or a JSON string (Debezium's `JsonConverter`).
+///
+/// The envelope's `headers` hold the headers whose values are UTF-8 (a repeated name other
+/// than `id` and `type` keeps its last value); headers of other producers that are not text
+/// are left out of it, not an error.
 pub fn decode<'h>(
     key: Option<&[u8]>,
     headers: impl IntoIterator<Item = (&'h str, Option<&'h [u8]>)>,
     payload: Option<&[u8]>,
 ) -> Result<Envelope<serde_json::Value>, DecodeError> {
     let mut decoded = BTreeMap::new();
+    let (mut ids, mut types) = (0_usize, 0_usize);
     for (name, value) in headers {
-        let value = std::str::from_utf8(value.unwrap_or_default())
-            .map_err(|_| DecodeError::InvalidHeader(name.to_owned()))?;
-        decoded.insert(name.to_owned(), value.to_owned());
+        let text = std::str::from_utf8(value.unwrap_or_default());
+        if is_reserved_header(name) {
+            *(if name == HEADER_ID {
+                &mut ids
+            } else {
+                &mut types
+            }) += 1;
+            let text = text.map_err(|_| DecodeError::InvalidHeader(name.to_owned()))?;
+            decoded.insert(name.to_owned(), text.to_owned());
+        } else if let Ok(text) = text {
+            decoded.insert(name.to_owned(), text.to_owned());
+        }
     }
-    let id = decoded.get(HEADER_ID).ok_or(DecodeError::MissingId)?;
-    let id = id.trim().trim_matches('"');
-    let id = id
-        .parse::<EventId>()
-        .map_err(|_| DecodeError::InvalidId(id.to_owned()))?;
+    // Checked before the id is read: with two, there is no id to read.
+    if ids > 1 {
+        return Err(DecodeError::AmbiguousId(ids));
+    }
+    let id = parse_id(decoded.get(HEADER_ID).ok_or(DecodeError::MissingId)?)?;
+    if types > 1 {
+        return Err(DecodeError::AmbiguousType(types));
+    }
     let aggregate_id = std::str::from_utf8(key.unwrap_or_default())
         .map_err(|_| DecodeError::InvalidKey)?
         .to_owned();
@@ -108,6 +138,28 @@ pub fn decode<'h>(
         payload,
         headers: decoded,
     })
+}
+
+/// The event id of a record, by the rules of [`decode`], whatever else is wrong with the
+/// record: what a quarantine row can still name it by.
+pub fn event_id<'h>(
+    headers: impl IntoIterator<Item = (&'h str, Option<&'h [u8]>)>,
+) -> Result<EventId, DecodeError> {
+    let mut ids = headers.into_iter().filter(|(name, _)| *name == HEADER_ID);
+    let (first, more) = (ids.next(), ids.count());
+    let (_, value) = first.ok_or(DecodeError::MissingId)?;
+    if more > 0 {
+        return Err(DecodeError::AmbiguousId(more + 1));
+    }
+    let text = std::str::from_utf8(value.unwrap_or_default())
+        .map_err(|_| DecodeError::InvalidHeader(HEADER_ID.to_owned()))?;
+    parse_id(text)
+}
+
+fn parse_id(text: &str) -> Result<EventId, DecodeError> {
+    let id = text.trim().trim_matches('"');
+    id.parse::<EventId>()
+        .map_err(|_| DecodeError::InvalidId(id.to_owned()))
 }
 
 #[cfg(test)]
@@ -163,5 +215,32 @@ mod tests {
             decode(None, h(&ok_headers), Some(b"{not json")),
             Err(DecodeError::InvalidJson(_))
         ));
+    }
+
+    #[test]
+    fn a_repeated_contract_header_is_ambiguous_and_a_binary_foreign_one_is_not_an_error() {
+        let id = EventId::new().to_string();
+        let other = EventId::new().to_string();
+        let twice = [("id", id.as_str()), ("id", other.as_str())];
+        assert_eq!(
+            decode(None, h(&twice), Some(b"{}")),
+            Err(DecodeError::AmbiguousId(2))
+        );
+        let types = [("id", id.as_str()), ("type", "A"), ("type", "A")];
+        assert_eq!(
+            decode(None, h(&types), Some(b"{}")),
+            Err(DecodeError::AmbiguousType(2))
+        );
+        let binary: &[u8] = &[0xff, 0xfe];
+        let headers = [("id", Some(id.as_bytes())), ("bin", Some(binary))];
+        assert_eq!(event_id(headers).map(|e| e.to_string()), Ok(id.clone()));
+        assert_eq!(event_id(h(&twice)), Err(DecodeError::AmbiguousId(2)));
+        let e = decode(None, headers, Some(b"{}")).expect("a foreign binary header is fine");
+        assert!(!e.headers.contains_key("bin"));
+        let headers = [("id", Some(id.as_bytes())), ("type", Some(binary))];
+        assert_eq!(
+            decode(None, headers, Some(b"{}")),
+            Err(DecodeError::InvalidHeader("type".into()))
+        );
     }
 }

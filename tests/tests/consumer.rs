@@ -626,3 +626,346 @@ async fn a_member_joining_mid_stream_causes_no_double_effect() -> Result<()> {
     );
     Ok(())
 }
+
+/// Reason, event id and headers of each quarantined message, in offset order.
+async fn quarantined_rows(
+    pool: &PgPool,
+) -> Result<Vec<(String, Option<EventId>, serde_json::Value)>> {
+    Ok(sqlx::query_as(
+        "SELECT reason, event_id, headers FROM outbox_consumer_quarantine ORDER BY \"offset\"",
+    )
+    .fetch_all(pool)
+    .await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_id_or_type_header_is_quarantined_as_ambiguous_and_the_partition_flows()
+-> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let [a, b, c, d, good] = [(); 5].map(|()| EventId::new().to_string());
+    let records: [Vec<(&str, &[u8])>; 3] = [
+        vec![
+            ("id", a.as_bytes()),
+            ("type", b"OrderPlaced"),
+            ("id", b.as_bytes()),
+        ],
+        vec![
+            ("id", c.as_bytes()),
+            ("type", b"OrderPlaced"),
+            ("type", b"OrderShipped"),
+        ],
+        // The same value twice is still two headers: the contract has one.
+        vec![("id", d.as_bytes()), ("id", d.as_bytes())],
+    ];
+    for headers in &records {
+        produce_raw(&topic, Some(0), Some("k"), Some(br#"{"n":1}"#), headers).await?;
+    }
+    send_event(&topic, good.parse()?, "k", r#"{"n":2}"#).await?;
+
+    let c1 = consumer(
+        &db,
+        ConsumerConfig::new("c1").event_types(["OrderPlaced", "OrderShipped"]),
+    )?;
+    let (shutdown, run) = spawn_run(&c1, &topic, &unique("g"))?;
+    eventually("every message handled", WAIT, || async {
+        Ok(handled(&c1) == 4)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+
+    let total: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(total, 1, "only the unambiguous message took effect");
+    assert_eq!(effects(&db.pool, good.parse()?).await?, 1);
+    let rows = quarantined_rows(&db.pool).await?;
+    let reasons: Vec<&str> = rows.iter().map(|(r, _, _)| r.as_str()).collect();
+    assert_eq!(reasons, ["ambiguous_id", "ambiguous_type", "ambiguous_id"]);
+    assert_eq!(rows[0].1, None, "no id is picked from two");
+    assert_eq!(rows[1].1, Some(c.parse()?), "the id itself was unambiguous");
+    // Both values are kept, in the order they were received, so a requeue sends them back.
+    assert_eq!(
+        rows[0].2,
+        serde_json::json!({"id": [a, b], "type": "OrderPlaced"})
+    );
+    assert_eq!(
+        rows[1].2,
+        serde_json::json!({"id": c, "type": ["OrderPlaced", "OrderShipped"]})
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binary_header_of_another_producer_is_kept_and_quarantines_nothing() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let [a, b, good] = [(); 3].map(|()| EventId::new().to_string());
+    let binary: &[u8] = &[0xff, 0x00, 0xc3];
+    type RawRecord<'a> = (Vec<(&'a str, &'a [u8])>, &'a [u8]);
+    let records: [RawRecord<'_>; 3] = [
+        (
+            vec![
+                ("id", a.as_bytes()),
+                ("type", b"OrderPlaced"),
+                ("bin", binary),
+            ],
+            br#"{"n":1}"#,
+        ),
+        // Quarantined for its payload; its headers are kept byte for byte.
+        (
+            vec![("id", b.as_bytes()), ("bin", binary), ("x", b"text")],
+            br#"{"m":"no n"}"#,
+        ),
+        // A contract header must be text.
+        (vec![("id", &[0xff, 0xfe])], br#"{"n":3}"#),
+    ];
+    for (headers, payload) in &records {
+        produce_raw(&topic, Some(0), Some("k"), Some(payload), headers).await?;
+    }
+    send_event(&topic, good.parse()?, "k", r#"{"n":4}"#).await?;
+
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let c1 = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), {
+        let seen = Arc::clone(&seen);
+        move |event: &Event<Order>, tx: &mut Transaction<'static, Postgres>| {
+            seen.lock().expect("lock").push(event.raw_headers.clone());
+            record_effect(event, tx)
+        }
+    })?;
+    let stream = stream(&topic, &unique("g"))?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (c1, shutdown) = (c1.clone(), shutdown.clone());
+        async move { c1.run(stream, shutdown).await }
+    });
+    eventually("every message handled", WAIT, || async {
+        let s = c1.stats();
+        Ok(s.processed + s.quarantined == 4)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+
+    assert_eq!(
+        effects(&db.pool, a.parse()?).await?,
+        1,
+        "processed despite its binary header"
+    );
+    assert_eq!(effects(&db.pool, good.parse()?).await?, 1);
+    let first = seen.lock().expect("lock")[0].clone();
+    assert_eq!(
+        first,
+        [
+            ("id".to_owned(), Some(a.clone().into_bytes())),
+            ("type".to_owned(), Some(b"OrderPlaced".to_vec())),
+            ("bin".to_owned(), Some(binary.to_vec())),
+        ],
+        "the handler sees every header as received"
+    );
+    let rows = quarantined_rows(&db.pool).await?;
+    let reasons: Vec<&str> = rows.iter().map(|(r, _, _)| r.as_str()).collect();
+    assert_eq!(reasons, ["wrong_shape", "invalid_header"]);
+    assert_eq!(
+        rows[0].2,
+        serde_json::json!({"id": b, "bin": {"hex": "ff00c3"}, "x": "text"})
+    );
+    assert_eq!(rows[1].2, serde_json::json!({"id": {"hex": "fffe"}}));
+
+    // What `outbox quarantine requeue` sends back: the received headers, bytes intact.
+    let mut conn = db.pool.acquire().await?;
+    let listed =
+        outbox_consumer::quarantine::list_quarantined(&mut conn, &Default::default(), 10).await?;
+    let mut headers = listed[0].record_headers()?;
+    headers.sort();
+    assert_eq!(
+        headers,
+        [
+            ("bin".to_owned(), Some(binary.to_vec())),
+            ("id".to_owned(), Some(b.clone().into_bytes())),
+            ("x".to_owned(), Some(b"text".to_vec())),
+        ]
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_database_rejects_is_quarantined_and_the_partition_flows() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    // Checked at COMMIT, not at the INSERT: the handler itself succeeds every time.
+    sqlx::query("CREATE TABLE claims (k TEXT UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+        .execute(&db.pool)
+        .await?;
+    sqlx::query("INSERT INTO claims VALUES ('taken')")
+        .execute(&db.pool)
+        .await?;
+    let topic = random_topic(1).await?;
+    let (rejected, accepted) = (EventId::new(), EventId::new());
+    send_event(&topic, rejected, "taken", r#"{"n":1}"#).await?;
+    send_event(&topic, accepted, "free", r#"{"n":2}"#).await?;
+
+    let config = ConsumerConfig::new("c1")
+        .max_attempts(3)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let c1 = DedupConsumer::new(
+        db.pool.clone(),
+        config,
+        |event: &Event<Order>, tx: &mut Transaction<'static, Postgres>| {
+            Box::pin(async move {
+                record_effect(event, tx).await?;
+                sqlx::query("INSERT INTO claims VALUES ($1)")
+                    .bind(&event.key)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(())
+            }) as HandlerFuture<'_>
+        },
+    )?;
+    let stream = stream(&topic, &unique("g"))?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (c1, shutdown) = (c1.clone(), shutdown.clone());
+        async move { c1.run(stream, shutdown).await }
+    });
+    eventually(
+        "the rejected message quarantined, the next one processed",
+        Duration::from_secs(30),
+        || async {
+            let s = c1.stats();
+            Ok(s.quarantined == 1 && s.processed == 1)
+        },
+    )
+    .await?;
+    shutdown.cancel();
+    run.await??;
+
+    assert_eq!(
+        c1.stats().handler_errors,
+        3,
+        "each rejected COMMIT is an attempt"
+    );
+    assert_eq!(effects(&db.pool, rejected).await?, 0, "rolled back");
+    assert_eq!(effects(&db.pool, accepted).await?, 1);
+    let (reason, event_id, error): (String, Option<EventId>, String) =
+        sqlx::query_as("SELECT reason, event_id, error FROM outbox_consumer_quarantine")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(
+        (reason.as_str(), event_id),
+        ("commit_failed", Some(rejected))
+    );
+    assert!(
+        error.starts_with("after 3 attempts: ") && error.contains("SQLSTATE 23505"),
+        "{error}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_backing_off_gives_its_turn_to_the_others() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(2).await?;
+    let (failing, fine) = (EventId::new().to_string(), EventId::new());
+    let contract = |id: &str| {
+        vec![
+            ("id", id.as_bytes().to_vec()),
+            ("type", b"OrderPlaced".to_vec()),
+        ]
+    };
+    let headers = contract(&failing);
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    produce_raw(
+        &topic,
+        Some(0),
+        Some("a"),
+        Some(br#"{"n":1,"fail":true}"#),
+        &headers,
+    )
+    .await?;
+
+    // One turn, and a message that fails for as long as the test runs.
+    let config = ConsumerConfig::new("c1")
+        .max_concurrent_partitions(1)
+        .on_handler_failure(HandlerFailurePolicy::Block)
+        .backoff(Duration::from_millis(200), Duration::from_millis(200));
+    let c1 = consumer(&db, config)?;
+    let (shutdown, run) = spawn_run(&c1, &topic, &unique("g"))?;
+    eventually("partition 0 is retrying", WAIT, || async {
+        Ok(c1.stats().handler_errors >= 2)
+    })
+    .await?;
+
+    let headers = contract(&fine.to_string());
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+    produce_raw(&topic, Some(1), Some("b"), Some(br#"{"n":2}"#), &headers).await?;
+    eventually(
+        "partition 1 handled while partition 0 backs off",
+        Duration::from_secs(30),
+        || async { Ok(c1.stats().processed == 1) },
+    )
+    .await?;
+    let errors = c1.stats().handler_errors;
+    eventually("partition 0 still retrying", WAIT, || async {
+        Ok(c1.stats().handler_errors > errors)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(effects(&db.pool, fine).await?, 1);
+    assert_eq!(c1.stats().quarantined, 0, "Block never quarantines");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_consumer_error_ends_run_with_a_typed_error() -> Result<()> {
+    let db = db_for("c1").await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let id = EventId::new();
+    send_event(&topic, id, "k", r#"{"n":1}"#).await?;
+    let mut kafka = consumer_config(&kafka_bootstrap(), &unique("g"));
+    kafka
+        .set("group.instance.id", unique("member"))
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500");
+    let first = stream_consumer(&kafka)?;
+    first.subscribe(&[topic.as_str()])?;
+    let c1 = consumer(&db, ConsumerConfig::new("c1"))?;
+    let run = tokio::spawn({
+        let c1 = c1.clone();
+        async move { c1.run(first, CancellationToken::new()).await }
+    });
+    eventually("the first member is consuming", WAIT, || async {
+        Ok(c1.stats().processed == 1)
+    })
+    .await?;
+
+    // A second member with the same static identity fences the first: librdkafka reports a
+    // fatal error to it, after which it fetches nothing.
+    let second = Arc::new(stream_consumer(&kafka)?);
+    second.subscribe(&[topic.as_str()])?;
+    let polling = tokio::spawn({
+        let second = Arc::clone(&second);
+        async move {
+            loop {
+                let _ = second.recv().await;
+            }
+        }
+    });
+    let ended = tokio::time::timeout(WAIT, run).await;
+    polling.abort();
+    let _ = polling.await;
+    tokio::task::spawn_blocking(move || drop(second)).await?;
+    let ended = ended.map_err(|_| anyhow::anyhow!("run went on after a fatal error"))??;
+    assert!(
+        matches!(ended, Err(ConsumerError::KafkaFatal { .. })),
+        "{ended:?}"
+    );
+    assert_eq!(effects(&db.pool, id).await?, 1);
+    Ok(())
+}

@@ -1,23 +1,23 @@
-use std::panic::AssertUnwindSafe;
+//! The consumer: its handler, its settings and counters, and the path of one message
+//! (decode, cache, the dedup transaction or the quarantine) with its span and metrics.
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use chrono::{TimeZone, Utc};
-use futures::FutureExt;
 use futures::future::BoxFuture;
 use moka::future::Cache;
-use outbox_core::{Envelope, wire};
 use rdkafka::Message;
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::span;
+use crate::decode::{self, Rejected};
+use crate::permit::Turn;
 use crate::sql::ConsumerSql;
-use crate::{ConsumerConfig, ConsumerError, Event, HandlerFailurePolicy};
+use crate::{ConsumerConfig, ConsumerError, Event, quarantine, span};
 
 /// What a handler may fail with. Anything that converts into a boxed error works
 /// (`anyhow::Error`, `sqlx::Error`, `std::io::Error`, ...).
@@ -55,8 +55,12 @@ pub enum Outcome {
     DuplicateCached,
     /// The dedup table already had the id: skipped.
     DuplicateStored,
-    /// Stored in the quarantine table, with this reason (`missing_id`, `invalid_json`,
-    /// `wrong_shape`, `unknown_type`, `too_large`, `handler_failed`, ...).
+    /// Stored in the quarantine table, with this reason: the record breaks the contract or a
+    /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
+    /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
+    /// `too_large`), or its attempts ran out (`handler_failed`: the handler returned an error
+    /// or panicked; `commit_failed`: the database rejected the COMMIT, e.g. a deferred
+    /// constraint; `transaction_failed`: it rejected the consumer's own dedup statement).
     Quarantined(&'static str),
     /// Shutdown came while a blocked handler was still retrying; the offset is not stored.
     Abandoned,
@@ -74,7 +78,8 @@ pub struct ConsumerStats {
     pub duplicates_stored: u64,
     /// Messages quarantined.
     pub quarantined: u64,
-    /// Handler failures (each attempt).
+    /// Failed attempts: a handler error, or its transaction rejected by the database (each
+    /// attempt; an unreachable database is not counted).
     pub handler_errors: u64,
     /// Database transactions begun.
     pub transactions: u64,
@@ -87,18 +92,18 @@ pub struct ConsumerStats {
 }
 
 #[derive(Debug, Default)]
-struct Counters {
-    processed: AtomicU64,
-    duplicates_cached: AtomicU64,
-    duplicates_stored: AtomicU64,
-    quarantined: AtomicU64,
-    handler_errors: AtomicU64,
-    transactions: AtomicU64,
-    revoked_skipped: AtomicU64,
-    partition_pauses: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) processed: AtomicU64,
+    pub(crate) duplicates_cached: AtomicU64,
+    pub(crate) duplicates_stored: AtomicU64,
+    pub(crate) quarantined: AtomicU64,
+    pub(crate) handler_errors: AtomicU64,
+    pub(crate) transactions: AtomicU64,
+    pub(crate) revoked_skipped: AtomicU64,
+    pub(crate) partition_pauses: AtomicU64,
 }
 
-fn bump(counter: &AtomicU64) {
+pub(crate) fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -153,11 +158,11 @@ impl<P, H> std::fmt::Debug for DedupConsumer<P, H> {
 pub(crate) struct Inner<P, H> {
     pub(crate) name: String,
     pub(crate) config: ConsumerConfig,
-    pool: PgPool,
-    handler: H,
-    cache: Cache<Uuid, ()>,
-    sql: ConsumerSql,
-    counters: Counters,
+    pub(crate) pool: PgPool,
+    pub(crate) handler: H,
+    pub(crate) cache: Cache<Uuid, ()>,
+    pub(crate) sql: ConsumerSql,
+    pub(crate) counters: Counters,
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
@@ -257,15 +262,28 @@ where
     }
 
     /// Handles one message end to end (everything but storing its offset). `Err` means the
-    /// database was unavailable: nothing was skipped, and the message should be retried.
+    /// database was unavailable (it could not be reached, see the README's "What counts as a
+    /// failure"): nothing was skipped, and the message should be retried. A transaction the
+    /// database rejected is not an `Err`: it counts as a failed attempt, like a handler error.
     pub async fn process(
         &self,
         message: &OwnedMessage,
         shutdown: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
+        self.process_in_turn(message, shutdown, &mut Turn::unlimited())
+            .await
+    }
+
+    /// [`Self::process`], giving `turn` back while it waits out a retry backoff.
+    pub(crate) async fn process_in_turn(
+        &self,
+        message: &OwnedMessage,
+        shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
+    ) -> Result<Outcome, ConsumerError> {
         let started = std::time::Instant::now();
         let outcome = self
-            .process_unmetered(message, shutdown)
+            .process_unmetered(message, shutdown, turn)
             .instrument(span::message_span(&self.inner.name, message))
             .await?;
         record_metric(&self.inner.name, &outcome);
@@ -278,141 +296,30 @@ where
         &self,
         message: &OwnedMessage,
         shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
     ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
-        let event = match self.decode(message) {
+        let event = match decode::decode(&inner.config, message) {
             Ok(event) => event,
-            Err((reason, error, id)) => return self.quarantine(message, id, reason, &error).await,
+            Err(rejected) => {
+                let Rejected {
+                    reason,
+                    error,
+                    event_id,
+                } = rejected;
+                return self.quarantine(message, event_id, reason, &error).await;
+            }
         };
-        let id = *event.id.as_uuid();
-        if inner.cache.contains_key(&id) {
+        if inner.cache.contains_key(event.id.as_uuid()) {
             bump(&inner.counters.duplicates_cached);
             tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");
             return Ok(Outcome::DuplicateCached);
         }
-        let mut attempt = 0_u32;
-        loop {
-            attempt += 1;
-            let mut tx = inner.pool.begin().await?;
-            bump(&inner.counters.transactions);
-            let inserted = sqlx::query(inner.sql.insert_dedup.clone())
-                .bind(&inner.name)
-                .bind(id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if inserted == 0 {
-                tx.rollback().await?;
-                inner.cache.insert(id, ()).await;
-                bump(&inner.counters.duplicates_stored);
-                tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (dedup table)");
-                return Ok(Outcome::DuplicateStored);
-            }
-            // A panicking handler is a failing handler: it must not take the partition down.
-            let result = AssertUnwindSafe((inner.handler)(&event, &mut tx))
-                .catch_unwind()
-                .await
-                .unwrap_or_else(|panic| Err(panic_message(&panic).into()));
-            let error = match result {
-                Ok(()) => {
-                    tx.commit().await?;
-                    inner.cache.insert(id, ()).await;
-                    bump(&inner.counters.processed);
-                    tracing::debug!(consumer = %inner.name, event_id = %event.id, topic = %event.topic,
-                        partition = event.partition, offset = event.offset, "processed");
-                    return Ok(Outcome::Processed);
-                }
-                Err(error) => error,
-            };
-            tx.rollback().await?;
-            bump(&inner.counters.handler_errors);
-            metrics::counter!("outbox_consumer_handler_errors_total", "consumer" => inner.name.clone()).increment(1);
-            let config = &inner.config;
-            let give_up = config.on_handler_failure == HandlerFailurePolicy::Quarantine
-                && attempt >= config.max_attempts;
-            tracing::warn!(consumer = %inner.name, event_id = %event.id, attempt, %error, "handler failed");
-            if give_up {
-                return self
-                    .quarantine(
-                        message,
-                        Some(id),
-                        "handler_failed",
-                        &format!("after {attempt} attempts: {error}"),
-                    )
-                    .await;
-            }
-            if shutdown.is_cancelled() {
-                return Ok(Outcome::Abandoned);
-            }
-            tokio::time::sleep(outbox_core::backoff(
-                config.backoff_base,
-                config.backoff_max,
-                attempt - 1,
-            ))
-            .await;
-        }
+        self.handle_until_done(message, &event, shutdown, turn)
+            .await
     }
 
-    /// Decodes under the wire contract and the configured limits; on failure returns the
-    /// quarantine reason, the detail, and the event id when one could be read.
-    fn decode(
-        &self,
-        message: &OwnedMessage,
-    ) -> Result<Event<P>, (&'static str, String, Option<Uuid>)> {
-        let config = &self.inner.config;
-        let payload = message.payload();
-        if payload.is_some_and(|p| p.len() > config.max_payload_bytes) {
-            let len = payload.map_or(0, <[u8]>::len);
-            return Err((
-                "too_large",
-                format!(
-                    "payload of {len} bytes exceeds {}",
-                    config.max_payload_bytes
-                ),
-                None,
-            ));
-        }
-        let headers = message
-            .headers()
-            .into_iter()
-            .flat_map(|hs| hs.iter().map(|h| (h.key, h.value)));
-        let Envelope {
-            id,
-            aggregate_id,
-            event_type,
-            payload,
-            headers,
-        } = wire::decode(message.key(), headers, payload)
-            .map_err(|e| (e.kind(), e.to_string(), None))?;
-        let uuid = Some(*id.as_uuid());
-        if let Some(allowed) = &config.event_types
-            && !event_type.as_ref().is_some_and(|t| allowed.contains(t))
-        {
-            return Err((
-                "unknown_type",
-                format!("event type {event_type:?} is not accepted"),
-                uuid,
-            ));
-        }
-        let payload =
-            serde_json::from_value(payload).map_err(|e| ("wrong_shape", e.to_string(), uuid))?;
-        Ok(Event {
-            id,
-            key: aggregate_id,
-            event_type,
-            payload,
-            headers,
-            topic: message.topic().to_owned(),
-            partition: message.partition(),
-            offset: message.offset(),
-            timestamp: message
-                .timestamp()
-                .to_millis()
-                .and_then(|ms| Utc.timestamp_millis_opt(ms).single()),
-        })
-    }
-
-    async fn quarantine(
+    pub(crate) async fn quarantine(
         &self,
         message: &OwnedMessage,
         event_id: Option<Uuid>,
@@ -420,44 +327,20 @@ where
         error: &str,
     ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
-        let headers: serde_json::Map<String, serde_json::Value> = message
-            .headers()
-            .into_iter()
-            .flat_map(|hs| hs.iter())
-            .map(|h| {
-                (
-                    h.key.to_owned(),
-                    String::from_utf8_lossy(h.value.unwrap_or_default())
-                        .into_owned()
-                        .into(),
-                )
-            })
-            .collect();
-        sqlx::query(inner.sql.quarantine.clone())
-            .bind(&inner.name)
-            .bind(message.topic())
-            .bind(message.partition())
-            .bind(message.offset())
-            .bind(event_id)
-            .bind(message.key())
-            .bind(message.payload())
-            .bind(serde_json::Value::Object(headers))
-            .bind(reason)
-            .bind(error)
-            .execute(&inner.pool)
-            .await?;
+        let mut conn = inner.pool.acquire().await?;
+        quarantine::record(
+            &mut conn,
+            inner.sql.quarantine.clone(),
+            &inner.name,
+            message,
+            event_id,
+            reason,
+            error,
+        )
+        .await?;
         bump(&inner.counters.quarantined);
         tracing::error!(consumer = %inner.name, topic = message.topic(), partition = message.partition(),
             offset = message.offset(), reason, %error, "quarantined message");
         Ok(Outcome::Quarantined(reason))
     }
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    let text = panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic".to_owned());
-    format!("handler panicked: {text}")
 }

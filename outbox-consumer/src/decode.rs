@@ -1,0 +1,94 @@
+//! From a Kafka record to the handler's [`Event`]: the wire contract (`outbox_core::wire`) and
+//! the consumer's own limits. Nothing here touches the database, so a record is rejected
+//! before any transaction is begun; the caller quarantines it with the reason given.
+
+use chrono::{TimeZone, Utc};
+use outbox_core::{Envelope, wire};
+use rdkafka::Message;
+use rdkafka::message::{Headers, OwnedMessage};
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+use crate::{ConsumerConfig, Event, RawHeader};
+
+/// Why a record cannot be handled: the quarantine row's `reason` and `error`, and the event id
+/// when one could be read unambiguously.
+#[derive(Debug)]
+pub(crate) struct Rejected {
+    pub(crate) reason: &'static str,
+    pub(crate) error: String,
+    pub(crate) event_id: Option<Uuid>,
+}
+
+impl Rejected {
+    fn new(reason: &'static str, error: String, event_id: Option<Uuid>) -> Self {
+        Self {
+            reason,
+            error,
+            event_id,
+        }
+    }
+}
+
+/// Decodes `message` under the wire contract and `config`'s limits.
+pub(crate) fn decode<P: DeserializeOwned>(
+    config: &ConsumerConfig,
+    message: &OwnedMessage,
+) -> Result<Event<P>, Rejected> {
+    let payload = message.payload();
+    if let Some(len) = payload.map(<[u8]>::len)
+        && len > config.max_payload_bytes
+    {
+        // Checked first: a huge payload is not worth parsing to find out what else is wrong.
+        let error = format!(
+            "payload of {len} bytes exceeds {}",
+            config.max_payload_bytes
+        );
+        return Err(Rejected::new("too_large", error, None));
+    }
+    let raw_headers: Vec<RawHeader> = message
+        .headers()
+        .into_iter()
+        .flat_map(|hs| {
+            hs.iter()
+                .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+        })
+        .collect();
+    let headers = raw_headers
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_deref()));
+    let Envelope {
+        id,
+        aggregate_id,
+        event_type,
+        payload,
+        headers,
+    } = wire::decode(message.key(), headers.clone(), payload).map_err(|e| {
+        let id = wire::event_id(headers).ok().map(|id| *id.as_uuid());
+        Rejected::new(e.kind(), e.to_string(), id)
+    })?;
+    let uuid = Some(*id.as_uuid());
+    if let Some(allowed) = &config.event_types
+        && !event_type.as_ref().is_some_and(|t| allowed.contains(t))
+    {
+        let error = format!("event type {event_type:?} is not accepted");
+        return Err(Rejected::new("unknown_type", error, uuid));
+    }
+    let payload = serde_json::from_value(payload)
+        .map_err(|e| Rejected::new("wrong_shape", e.to_string(), uuid))?;
+    Ok(Event {
+        id,
+        key: aggregate_id,
+        event_type,
+        payload,
+        headers,
+        raw_headers,
+        topic: message.topic().to_owned(),
+        partition: message.partition(),
+        offset: message.offset(),
+        timestamp: message
+            .timestamp()
+            .to_millis()
+            .and_then(|ms| Utc.timestamp_millis_opt(ms).single()),
+    })
+}

@@ -1,0 +1,121 @@
+//! The dedup transaction: the event id's row and the handler's effect commit together or not
+//! at all, so a redelivered event finds its row and is skipped, and a failed attempt leaves
+//! neither behind. Attempts that fail are retried with backoff until the failure policy says
+//! otherwise; see [`crate::failure`] for what counts as a failed attempt.
+
+use std::panic::AssertUnwindSafe;
+
+use futures::FutureExt;
+use rdkafka::message::OwnedMessage;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::consumer::bump;
+use crate::failure::{AttemptError, is_unavailable};
+use crate::permit::Turn;
+use crate::{ConsumerError, DedupConsumer, Event, Handler, HandlerFailurePolicy, Outcome};
+
+impl<P, H> DedupConsumer<P, H>
+where
+    P: DeserializeOwned + Send + Sync + 'static,
+    H: Handler<P>,
+{
+    /// Attempts `event` until it commits, is found to be a duplicate, or the failure policy
+    /// gives up on it (quarantine). `Err` only when the database cannot be reached.
+    pub(crate) async fn handle_until_done(
+        &self,
+        message: &OwnedMessage,
+        event: &Event<P>,
+        shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
+    ) -> Result<Outcome, ConsumerError> {
+        let inner = &*self.inner;
+        let config = &inner.config;
+        let mut attempt = 0_u32;
+        loop {
+            attempt += 1;
+            let (reason, error) = match self.attempt(event).await {
+                Ok(outcome) => return Ok(outcome),
+                Err(AttemptError::Unavailable(error)) => return Err(error.into()),
+                Err(AttemptError::Failed { reason, error }) => (reason, error),
+            };
+            bump(&inner.counters.handler_errors);
+            metrics::counter!("outbox_consumer_handler_errors_total", "consumer" => inner.name.clone())
+                .increment(1);
+            tracing::warn!(consumer = %inner.name, event_id = %event.id, attempt, reason, %error,
+                "attempt failed");
+            if config.on_handler_failure == HandlerFailurePolicy::Quarantine
+                && attempt >= config.max_attempts
+            {
+                let error = format!("after {attempt} attempts: {error}");
+                return self
+                    .quarantine(message, Some(*event.id.as_uuid()), reason, &error)
+                    .await;
+            }
+            let delay = outbox_core::backoff(config.backoff_base, config.backoff_max, attempt - 1);
+            if !turn.back_off(delay, shutdown).await? {
+                return Ok(Outcome::Abandoned);
+            }
+        }
+    }
+
+    /// One transaction: the dedup row, the handler, COMMIT. Never raced against shutdown: an
+    /// attempt that has begun runs to its commit or rollback.
+    async fn attempt(&self, event: &Event<P>) -> Result<Outcome, AttemptError> {
+        let inner = &*self.inner;
+        let id = *event.id.as_uuid();
+        let statement = |e| AttemptError::from_statement("transaction_failed", e);
+        let mut tx = inner.pool.begin().await.map_err(statement)?;
+        bump(&inner.counters.transactions);
+        let inserted = sqlx::query(inner.sql.insert_dedup.clone())
+            .bind(&inner.name)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(statement)?
+            .rows_affected();
+        if inserted == 0 {
+            // Whatever the rollback says, the committed row proves the event was handled.
+            if let Err(error) = tx.rollback().await {
+                tracing::debug!(%error, "rollback after a duplicate failed");
+            }
+            inner.cache.insert(id, ()).await;
+            bump(&inner.counters.duplicates_stored);
+            tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (dedup table)");
+            return Ok(Outcome::DuplicateStored);
+        }
+        // A panicking handler is a failing handler: it must not take the partition down.
+        let result = AssertUnwindSafe((inner.handler)(event, &mut tx))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| Err(panic_message(&panic).into()));
+        if let Err(error) = result {
+            let failure = AttemptError::from_handler(error);
+            if let Err(error) = tx.rollback().await
+                && is_unavailable(&error)
+            {
+                return Err(AttemptError::Unavailable(error));
+            }
+            return Err(failure);
+        }
+        // A failed COMMIT has ended the transaction on the server; dropping `tx` only sends a
+        // ROLLBACK that finds nothing to undo.
+        tx.commit()
+            .await
+            .map_err(|e| AttemptError::from_statement("commit_failed", e))?;
+        inner.cache.insert(id, ()).await;
+        bump(&inner.counters.processed);
+        tracing::debug!(consumer = %inner.name, event_id = %event.id, topic = %event.topic,
+            partition = event.partition, offset = event.offset, "processed");
+        Ok(Outcome::Processed)
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic".to_owned());
+    format!("handler panicked: {text}")
+}

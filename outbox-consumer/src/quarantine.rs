@@ -10,11 +10,11 @@
 //! (JSONB does not keep object order).
 
 use chrono::{DateTime, Utc};
-use outbox_core::TableNames;
+use outbox_core::{QuarantineTable, TableNames};
 use rdkafka::Message;
 use rdkafka::message::{Headers, OwnedMessage};
 use serde_json::{Map, Value};
-use sqlx::{AssertSqlSafe, PgConnection, SqlStr};
+use sqlx::{PgConnection, SqlStr};
 use uuid::Uuid;
 
 use crate::{ConsumerError, RawHeader};
@@ -152,18 +152,17 @@ fn header_bytes(value: &Value) -> Option<Option<Vec<u8>>> {
 const COLUMNS: &str = "id, consumer, topic, partition, \"offset\", event_id, reason, error, quarantined_at, \
                        message_key, payload, headers";
 
+fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
+    QuarantineTable::new(&tables.consumer_quarantine, COLUMNS, "id", "TRUE")
+}
+
 /// The oldest `limit` quarantined messages, of every consumer.
 pub async fn list_quarantined(
     conn: &mut PgConnection,
     tables: &TableNames,
     limit: i64,
 ) -> Result<Vec<QuarantinedMessage>, ConsumerError> {
-    let t = &tables.consumer_quarantine;
-    let query = format!("SELECT {COLUMNS} FROM {t} ORDER BY id LIMIT $1");
-    Ok(sqlx::query_as(AssertSqlSafe(query))
-        .bind(limit)
-        .fetch_all(conn)
-        .await?)
+    Ok(quarantine(tables).list(conn, limit).await?)
 }
 
 /// Quarantined messages with the given ids.
@@ -172,12 +171,7 @@ pub async fn get_quarantined(
     tables: &TableNames,
     ids: &[i64],
 ) -> Result<Vec<QuarantinedMessage>, ConsumerError> {
-    let t = &tables.consumer_quarantine;
-    let query = format!("SELECT {COLUMNS} FROM {t} WHERE id = ANY($1) ORDER BY id");
-    Ok(sqlx::query_as(AssertSqlSafe(query))
-        .bind(ids)
-        .fetch_all(conn)
-        .await?)
+    Ok(quarantine(tables).get(conn, ids).await?)
 }
 
 /// Deletes quarantined messages (after they were requeued, or to drop them for good).
@@ -186,13 +180,7 @@ pub async fn discard(
     tables: &TableNames,
     ids: &[i64],
 ) -> Result<u64, ConsumerError> {
-    let t = &tables.consumer_quarantine;
-    let query = format!("DELETE FROM {t} WHERE id = ANY($1)");
-    Ok(sqlx::query(AssertSqlSafe(query))
-        .bind(ids)
-        .execute(conn)
-        .await?
-        .rows_affected())
+    Ok(quarantine(tables).discard(conn, ids).await?)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Operator actions on quarantined outbox rows.
 
 use chrono::{DateTime, Utc};
-use outbox_core::TableNames;
+use outbox_core::{QuarantineTable, TableNames};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -33,21 +33,20 @@ pub struct QuarantinedRow {
     pub created_at: DateTime<Utc>,
 }
 
+const COLUMNS: &str =
+    "seq, id, aggregatetype, aggregateid, type, topic, attempts, last_error, created_at";
+
+fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
+    QuarantineTable::new(&tables.outbox, COLUMNS, "seq", "status = 'quarantined'")
+}
+
 /// The oldest `limit` quarantined rows.
 pub async fn list_quarantined(
     conn: &mut PgConnection,
     tables: &TableNames,
     limit: i64,
 ) -> Result<Vec<QuarantinedRow>, ProducerError> {
-    let t = &tables.outbox;
-    let query = format!(
-        "SELECT seq, id, aggregatetype, aggregateid, type, topic, attempts, last_error, created_at \
-         FROM {t} WHERE status = 'quarantined' ORDER BY seq LIMIT $1"
-    );
-    Ok(sqlx::query_as(AssertSqlSafe(query))
-        .bind(limit)
-        .fetch_all(conn)
-        .await?)
+    Ok(quarantine(tables).list(conn, limit).await?)
 }
 
 /// Quarantined rows with the given sequence numbers.
@@ -56,15 +55,7 @@ pub async fn get_quarantined(
     tables: &TableNames,
     seqs: &[i64],
 ) -> Result<Vec<QuarantinedRow>, ProducerError> {
-    let t = &tables.outbox;
-    let query = format!(
-        "SELECT seq, id, aggregatetype, aggregateid, type, topic, attempts, last_error, created_at \
-         FROM {t} WHERE status = 'quarantined' AND seq = ANY($1) ORDER BY seq"
-    );
-    Ok(sqlx::query_as(AssertSqlSafe(query))
-        .bind(seqs)
-        .fetch_all(conn)
-        .await?)
+    Ok(quarantine(tables).get(conn, seqs).await?)
 }
 
 /// Makes quarantined rows pending again, with a fresh attempt count; the relay publishes them
@@ -92,11 +83,5 @@ pub async fn discard(
     tables: &TableNames,
     seqs: &[i64],
 ) -> Result<u64, ProducerError> {
-    let t = &tables.outbox;
-    let query = format!("DELETE FROM {t} WHERE seq = ANY($1) AND status = 'quarantined'");
-    Ok(sqlx::query(AssertSqlSafe(query))
-        .bind(seqs)
-        .execute(conn)
-        .await?
-        .rows_affected())
+    Ok(quarantine(tables).discard(conn, seqs).await?)
 }

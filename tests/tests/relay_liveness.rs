@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use outbox_producer::{NewEvent, QuarantinePolicy, Relay, RelayConfig, producer_config};
+use outbox_producer::{
+    BatchReport, NewEvent, QuarantinePolicy, Relay, RelayConfig, producer_config,
+};
 use outbox_tests::{
     TestDb, count_status, eventually, kafka_bootstrap, random_topic, read_all, unique,
 };
@@ -202,25 +204,32 @@ async fn small_topic() -> Result<String> {
     Ok(topic)
 }
 
+/// Enqueues a row of key `k` that the broker rejects in its delivery report (over a fresh
+/// [`small_topic`]'s limit), then `k`'s and `j`'s next rows on `later` (the small topic when
+/// `None`), and runs one batch under `BlockKey`.
+async fn rejected_head_then(db: &TestDb, later: Option<&str>) -> Result<(NewEvent, BatchReport)> {
+    let small = small_topic().await?;
+    let later = later.unwrap_or(&small);
+    let big = NewEvent::new("order", "k", "Big", &json!({ "blob": "x".repeat(5_000) }))?
+        .with_topic(&small)?;
+    enqueue(
+        db,
+        &[big.clone(), event(later, "k", 1)?, event(later, "j", 2)?],
+    )
+    .await?;
+    let relay = kafka_relay(
+        db,
+        RelayConfig::default().quarantine_policy(QuarantinePolicy::BlockKey),
+    )?;
+    Ok((big, relay.run_once().await?))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejection_in_a_delivery_report_holds_the_keys_later_rows_under_block_key() -> Result<()>
 {
     let db = TestDb::new().await?;
-    let small = small_topic().await?;
     let other = random_topic(1).await?;
-    let big = NewEvent::new("order", "k", "Big", &json!({ "blob": "x".repeat(5_000) }))?
-        .with_topic(&small)?;
-    enqueue(
-        &db,
-        &[big.clone(), event(&other, "k", 1)?, event(&other, "j", 2)?],
-    )
-    .await?;
-
-    let relay = kafka_relay(
-        &db,
-        RelayConfig::default().quarantine_policy(QuarantinePolicy::BlockKey),
-    )?;
-    let report = relay.run_once().await?;
+    let (big, report) = rejected_head_then(&db, Some(&other)).await?;
     let (status, error): (String, String) =
         sqlx::query_as("SELECT status, last_error FROM outbox_events WHERE id = $1")
             .bind(big.id())
@@ -351,20 +360,8 @@ async fn shutdown_is_bounded_with_a_batch_in_flight_and_leaves_it_pending() -> R
 async fn a_rejection_in_a_delivery_report_holds_the_keys_later_rows_on_its_topic_under_block_key()
 -> Result<()> {
     let db = TestDb::new().await?;
-    let small = small_topic().await?;
-    let big = NewEvent::new("order", "k", "Big", &json!({ "blob": "x".repeat(5_000) }))?
-        .with_topic(&small)?;
-    enqueue(
-        &db,
-        &[big.clone(), event(&small, "k", 1)?, event(&small, "j", 2)?],
-    )
-    .await?;
-
-    let relay = kafka_relay(
-        &db,
-        RelayConfig::default().quarantine_policy(QuarantinePolicy::BlockKey),
-    )?;
-    let report = relay.run_once().await?;
+    let (big, report) = rejected_head_then(&db, None).await?;
+    let small = big.topic().to_owned();
     let statuses: Vec<String> = sqlx::query_scalar("SELECT status FROM outbox_events ORDER BY seq")
         .fetch_all(&db.pool)
         .await?;

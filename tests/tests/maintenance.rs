@@ -52,3 +52,30 @@ async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
     assert!(again, "a prune run releases its lock");
     Ok(())
 }
+
+/// The README's upgrade path for a large table: the indexes of migration 0003 built
+/// beforehand with `CREATE INDEX CONCURRENTLY` (which cannot run inside the migration's
+/// transaction) make the migration a no-op instead of a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_0003_accepts_indexes_built_concurrently_beforehand() -> Result<()> {
+    let db = TestDb::new().await?;
+    for statement in [
+        "DROP INDEX outbox_events_held_idx",
+        "DROP INDEX outbox_events_published_at_idx",
+        "DELETE FROM outbox_events_migrations WHERE version = 3",
+        "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
+           WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
+        "CREATE INDEX CONCURRENTLY outbox_events_published_at_idx ON outbox_events (published_at) \
+           WHERE status = 'published'",
+    ] {
+        sqlx::query(statement).execute(&db.pool).await?;
+    }
+    outbox_core::migrate(&db.pool).await?;
+    let applied: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM outbox_events_migrations WHERE version = 3 AND success)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(applied);
+    Ok(())
+}

@@ -1,15 +1,19 @@
 //! `outbox status`: what an operator checks first — depth and lag per topic, quarantines on
-//! both sides, and how big the dedup store has grown.
+//! both sides, and how big the dedup store has grown. Counts stop at `STATS_COUNT_CAP`
+//! (shown as `N+`), so the command costs the same on a 10M-row backlog as on a small one.
 
 use std::time::Duration;
 
 use anyhow::Result;
 use outbox_core::TableNames;
+use outbox_producer::STATS_COUNT_CAP;
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgConnection};
 
 #[derive(Debug, Serialize)]
 struct Status {
+    /// Where every count below stops.
+    count_cap: i64,
     pending: i64,
     oldest_pending_age_ms: Option<i64>,
     quarantined: i64,
@@ -56,20 +60,37 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
         &tables.consumer_dedup,
         &tables.consumer_quarantine,
     );
+    // Every count stops at the cap, so `status` reads at most that many index entries per
+    // count however large the backlog or the dedup store: the oldest pending rows by seq for
+    // the topics, and a loose index scan of the dedup key for its consumers.
+    let cap = STATS_COUNT_CAP;
     let topics = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT topic, count(*) AS pending, \
                 (extract(epoch FROM now() - min(created_at)) * 1000)::bigint AS oldest_pending_age_ms \
-           FROM {t} WHERE status = 'pending' GROUP BY topic ORDER BY topic"
+           FROM (SELECT topic, created_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT $1) oldest \
+          GROUP BY topic ORDER BY topic"
     )))
+    .bind(cap)
     .fetch_all(&mut *conn)
     .await?;
-    let consumer_quarantined =
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {q}")))
-            .fetch_one(&mut *conn)
-            .await?;
-    let consumers: Vec<ConsumerRows> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT consumer, count(*) AS rows FROM {d} GROUP BY consumer ORDER BY consumer"
+    let consumer_quarantined = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT 1 FROM {q} LIMIT $1) capped"
     )))
+    .bind(cap)
+    .fetch_one(&mut *conn)
+    .await?;
+    let consumers: Vec<ConsumerRows> = sqlx::query_as(AssertSqlSafe(format!(
+        "WITH RECURSIVE names(consumer) AS ( \
+             (SELECT consumer FROM {d} ORDER BY consumer LIMIT 1) \
+             UNION ALL \
+             SELECT (SELECT d.consumer FROM {d} d WHERE d.consumer > names.consumer \
+                      ORDER BY d.consumer LIMIT 1) \
+               FROM names WHERE names.consumer IS NOT NULL) \
+         SELECT consumer, \
+                (SELECT count(*) FROM (SELECT 1 FROM {d} d WHERE d.consumer = names.consumer LIMIT $1) capped) AS rows \
+           FROM names WHERE consumer IS NOT NULL ORDER BY consumer"
+    )))
+    .bind(cap)
     .fetch_all(&mut *conn)
     .await?;
     let bytes = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -78,6 +99,7 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
     .fetch_one(&mut *conn)
     .await?;
     Ok(Status {
+        count_cap: cap,
         pending: outbox.pending,
         oldest_pending_age_ms: outbox.oldest_pending_age_ms,
         quarantined: outbox.quarantined,
@@ -98,24 +120,37 @@ fn print_text(s: &Status) {
             |ms| humantime::format_duration(Duration::from_millis(ms.unsigned_abs())).to_string(),
         )
     };
-    println!("pending              {}", s.pending);
+    let capped = |n: i64| {
+        if n >= s.count_cap {
+            format!("{n}+")
+        } else {
+            n.to_string()
+        }
+    };
+    println!("pending              {}", capped(s.pending));
     println!("oldest pending age   {}", age(s.oldest_pending_age_ms));
     for topic in &s.topics {
         println!(
             "  {:<40} {:>8} pending, oldest {}",
             topic.topic,
-            topic.pending,
+            capped(topic.pending),
             age(topic.oldest_pending_age_ms)
         );
     }
-    println!("relay quarantined    {}", s.quarantined);
-    println!("consumer quarantined {}", s.consumer_quarantined);
+    println!("relay quarantined    {}", capped(s.quarantined));
+    println!("consumer quarantined {}", capped(s.consumer_quarantined));
+    let any_capped = s.dedup.consumers.iter().any(|c| c.rows >= s.count_cap);
     println!(
-        "dedup rows           {} ({} KiB)",
+        "dedup rows           {}{} ({} KiB)",
         s.dedup.rows,
+        if any_capped { "+" } else { "" },
         s.dedup.bytes / 1024
     );
     for consumer in &s.dedup.consumers {
-        println!("  {:<40} {:>8} rows", consumer.consumer, consumer.rows);
+        println!(
+            "  {:<40} {:>8} rows",
+            consumer.consumer,
+            capped(consumer.rows)
+        );
     }
 }

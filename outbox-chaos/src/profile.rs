@@ -153,7 +153,7 @@ impl Profile {
                     broker_outage: Duration::from_secs(130),
                     pg_outage: Some(Duration::from_secs(25)),
                     stuck_key: true,
-                    topic_absence: None, // TOPIC_FAULT
+                    topic_absence: Some(Duration::from_secs(12)),
                     // While the topic is missing, every row of it fails with the broker's
                     // answer and is charged an attempt: 20 attempts 0.5-5 s apart (at
                     // least about 40 s of backoff) outlast the 12 s absence.

@@ -133,7 +133,7 @@ fn cluster_profile_keeps_every_guarantee_when_partition_leaders_die() {
 fn liveness_profile_drains_within_the_bound_after_each_long_fault() {
     let fields = run_profile("liveness");
     assert_eq!(fields.get("profile").map(String::as_str), Some("liveness"));
-    for fault in ["broker_outage", "pg_stop", "stuck_key"] {
+    for fault in ["broker_outage", "pg_stop", "stuck_key", "topic_recreate"] {
         assert_eq!(
             number(&fields, fault),
             1,

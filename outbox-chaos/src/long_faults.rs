@@ -50,6 +50,11 @@ use crate::summary::Kind;
 /// The key the stuck-key fault writes (the producer's keys are `k000`, `k001`, ...).
 pub(crate) const STUCK_KEY: &str = "kstuck";
 
+/// The key of the marker event the harness commits as soon as a fault has ended: the
+/// figure waits for it too, so it measures that the pipeline moves again, not only that
+/// what was committed before the fault had already gone through.
+const MARKER_KEY: &str = "kmarker";
+
 /// The topic's `max.message.bytes` in runs with the stuck-key fault: far above every good
 /// event (under 1 KiB) and the malformed `too_large` record (20 KiB).
 pub(crate) const TOPIC_MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -75,9 +80,15 @@ impl LongFaultPhase<'_> {
     /// Runs the planned long faults in turn; returns each one's liveness figure.
     pub(crate) async fn run(&mut self) -> Result<Vec<Figure>> {
         lock(self.fleet).faults_on = false;
+        for key in [STUCK_KEY, MARKER_KEY] {
+            sqlx::query("INSERT INTO chaos_state (key) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(key)
+                .execute(&self.db.pool)
+                .await?;
+        }
         // The fault loop's backlog first, so that each figure is its own fault's.
         let began = Instant::now();
-        let watermark = self.watermark().await?;
+        let watermark = self.mark().await?;
         let settled = self.time_drain(watermark, None, began).await?;
         tracing::info!(took = ?settled, "long-fault phase: the fault loop's backlog drained");
         let mut figures = Vec::new();
@@ -117,7 +128,7 @@ impl LongFaultPhase<'_> {
             quarantined = self.quarantined().await?,
             "long fault: broker serves again"
         );
-        let watermark = self.watermark().await?;
+        let watermark = self.mark().await?;
         let took = self.time_drain(watermark, None, back).await?;
         tracing::info!(
             quarantined = self.quarantined().await?,
@@ -137,17 +148,13 @@ impl LongFaultPhase<'_> {
         pg.start().await?;
         let back = Instant::now();
         tracing::info!("long fault: Postgres accepts connections again");
-        let watermark = self.watermark().await?;
+        let watermark = self.mark().await?;
         self.time_drain(watermark, None, back).await
     }
 
     async fn stuck_key(&mut self) -> Result<Duration> {
         let pool = &self.db.pool;
         let outbox = Outbox::new(self.tables);
-        sqlx::query("INSERT INTO chaos_state (key) VALUES ($1) ON CONFLICT DO NOTHING")
-            .bind(STUCK_KEY)
-            .execute(pool)
-            .await?;
         // The failing row: its payload is over the topic's limit, not the client's
         // (`message.max.bytes`, 1 MB), so it is the broker that refuses it.
         let big = Uuid::new_v4();
@@ -162,6 +169,7 @@ impl LongFaultPhase<'_> {
             pool,
             &outbox,
             self.topic,
+            STUCK_KEY,
             &[big],
             "s".repeat(2 * TOPIC_MAX_MESSAGE_BYTES),
         )
@@ -173,14 +181,14 @@ impl LongFaultPhase<'_> {
         for chunk in 0..backlog.div_ceil(40) {
             let n = 40.min(backlog - chunk * 40);
             let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
-            write_batch(pool, &outbox, self.topic, &ids, String::new()).await?;
+            write_batch(pool, &outbox, self.topic, STUCK_KEY, &ids, String::new()).await?;
         }
         tracing::info!(
             key = STUCK_KEY,
             backlog,
             "long fault: a row the broker rejects for good, its key's backlog behind it"
         );
-        let watermark = self.watermark().await?;
+        let watermark = self.mark().await?;
         let others = self.time_drain(watermark, Some(STUCK_KEY), since).await?;
         tracing::info!(took = ?others, "stuck key: the other keys flowed");
         let all = self.time_drain(watermark, None, since).await?;
@@ -286,7 +294,7 @@ impl LongFaultPhase<'_> {
             quarantined = self.quarantined().await?,
             "long fault: topic created again"
         );
-        let watermark = self.watermark().await?;
+        let watermark = self.mark().await?;
         self.time_drain(watermark, None, back).await
     }
 
@@ -318,21 +326,37 @@ impl LongFaultPhase<'_> {
         Ok(true)
     }
 
-    /// The newest row's `seq`, retried while the database is not back yet.
-    async fn watermark(&self) -> Result<i64> {
-        let sql = format!("SELECT coalesce(max(seq), 0) FROM {}", self.tables.outbox);
+    /// Commits a marker event (retried while the database is not back yet) and returns its
+    /// `seq`: the watermark a figure waits for.
+    async fn mark(&self) -> Result<i64> {
+        let outbox = Outbox::new(self.tables);
+        let seq_of = format!("SELECT seq FROM {} WHERE id = $1", self.tables.outbox);
         let began = Instant::now();
         loop {
-            match sqlx::query_scalar(AssertSqlSafe(sql.clone()))
-                .fetch_one(&self.db.pool)
-                .await
-            {
+            let id = Uuid::new_v4();
+            let attempt = async {
+                write_batch(
+                    &self.db.pool,
+                    &outbox,
+                    self.topic,
+                    MARKER_KEY,
+                    &[id],
+                    String::new(),
+                )
+                .await?;
+                let seq: i64 = sqlx::query_scalar(AssertSqlSafe(seq_of.clone()))
+                    .bind(id)
+                    .fetch_one(&self.db.pool)
+                    .await?;
+                Ok::<_, anyhow::Error>(seq)
+            };
+            match attempt.await {
                 Ok(seq) => return Ok(seq),
                 Err(error) if began.elapsed() < Duration::from_secs(60) => {
-                    tracing::warn!(%error, "reading the outbox failed; retrying");
+                    tracing::warn!(%error, "writing the marker event failed; retrying");
                     tokio::time::sleep(Duration::from_millis(250)).await;
                 }
-                Err(error) => return Err(error).context("reading the outbox"),
+                Err(error) => return Err(error).context("writing the marker event"),
             }
         }
     }
@@ -368,6 +392,8 @@ impl LongFaultPhase<'_> {
         let except = except_key.unwrap_or("");
         let started = Instant::now();
         let mut last_log = started;
+        // When no row up to the watermark was pending any more: the relays' part.
+        let mut published: Option<Duration> = None;
         loop {
             self.broker.check_alive().await?;
             let mut behind = Vec::new();
@@ -391,8 +417,15 @@ impl LongFaultPhase<'_> {
                     Err(error) => failed = Some(error),
                 }
             }
+            if failed.is_none() && pending == 0 && published.is_none() {
+                published = Some(since.elapsed());
+            }
             match failed {
-                None if pending == 0 && behind.is_empty() => return Ok(since.elapsed()),
+                None if pending == 0 && behind.is_empty() => {
+                    let applied = since.elapsed();
+                    tracing::info!(watermark, ?published, ?applied, "long fault: drained");
+                    return Ok(applied);
+                }
                 None => {
                     if last_log.elapsed() >= Duration::from_secs(5) {
                         tracing::info!(watermark, pending, ?behind, "long fault: draining");
@@ -416,16 +449,17 @@ impl LongFaultPhase<'_> {
     }
 }
 
-/// Writes one event per id for [`STUCK_KEY`] in one transaction (each id recorded as
-/// attempted first, as the producer does).
+/// Writes one event per id for `key` in one transaction (each id recorded as attempted
+/// first, as the producer does).
 async fn write_batch(
     pool: &PgPool,
     outbox: &Outbox,
     topic: &str,
+    key: &str,
     ids: &[Uuid],
     pad: String,
 ) -> Result<()> {
-    let keys: Vec<&str> = ids.iter().map(|_| STUCK_KEY).collect();
+    let keys: Vec<&str> = ids.iter().map(|_| key).collect();
     sqlx::query(
         "INSERT INTO chaos_attempts (event_id, key) SELECT * FROM UNNEST($1::uuid[], $2::text[])",
     )
@@ -435,7 +469,7 @@ async fn write_batch(
     .await?;
     let mut tx = pool.begin().await?;
     for id in ids {
-        write_event(&mut tx, outbox, topic, *id, STUCK_KEY, pad.clone()).await?;
+        write_event(&mut tx, outbox, topic, *id, key, pad.clone()).await?;
     }
     tx.commit().await?;
     Ok(())

@@ -29,7 +29,7 @@ const GROUP_B: &str = "chaos-b";
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
     /// `ci` (≈2–3 min, the test suite's), `cluster` (the same on three brokers, partition
-    /// leaders killed) or `long` (≈20 min, five runs).
+    /// leaders killed), `long` (≈20 min, five runs) or `liveness` (≈4–5 min, long faults).
     #[arg(long, value_enum, default_value = "ci")]
     profile: ProfileName,
     /// Seed of every random choice (fault kinds and timing, workload); random if absent.

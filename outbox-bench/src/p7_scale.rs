@@ -320,6 +320,7 @@ async fn time_claim(conn: &mut PgConnection, claim: &str) -> Result<f64> {
     let started = Instant::now();
     let rows = sqlx::query(AssertSqlSafe(claim.to_owned()))
         .bind(i64::from(CLAIM_BATCH))
+        .persistent(false)
         .fetch_all(&mut *tx)
         .await?;
     let elapsed = ms(started);
@@ -367,13 +368,13 @@ async fn time_prune_slice(conn: &mut PgConnection) -> Result<f64> {
     Ok(elapsed * 10_000.0 / pruned as f64)
 }
 
-/// Whether some session of this database holds the prune lock of a table named
-/// `outbox_events` (in any schema: the lock is keyed by the name).
+/// Whether some session of this database holds the prune lock of the `outbox_events` table
+/// this pool's schema resolves to (the lock is keyed by the table's oid).
 async fn prune_lock_held(pool: &PgPool) -> Result<bool> {
     Ok(sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-           AND classid = hashtext('outbox_prune')::oid AND objid = hashtext('outbox_events')::oid \
+           AND classid = hashtext('outbox_prune')::oid AND objid = hashtext('outbox_events'::regclass::oid::text)::oid \
            AND objsubid = 2)",
     )
     .fetch_one(pool)
@@ -624,18 +625,15 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     .await?;
 
     // The claim of one batch, rolled back: every sample claims the same rows. Beside it, the
-    // same claim with its held-rows check kept a per-row subplan (`OFFSET 0`, as the claim's
-    // second check already is), which can probe `outbox_events_held_idx`: a variant the
-    // framework does not run, measured to show what the planner's choice costs.
-    let held_check = ")) ORDER BY seq LIMIT $1";
+    // claim as it was before this benchmark: its held-rows check free to become an anti-join
+    // (no `OFFSET 0`), which the planner ran as a scan of the backlog.
+    let held_check = " OFFSET 0) ORDER BY seq LIMIT $1";
     ensure!(
         sql.claim.matches(held_check).count() == 1,
         "the claim's text changed: {}",
         sql.claim
     );
-    let per_row_claim = sql
-        .claim
-        .replace(held_check, ") OFFSET 0) ORDER BY seq LIMIT $1");
+    let per_row_claim = sql.claim.replace(held_check, ") ORDER BY seq LIMIT $1");
     for conn in [&mut big_conn, &mut small_conn] {
         time_claim(conn, &sql.claim).await?;
         time_claim(conn, &per_row_claim).await?;
@@ -659,7 +657,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         }
         eprintln!(
             "P7 round {round}: claim of {CLAIM_BATCH} {:.1} ms at {big_name} pending, {:.1} ms at 10k; \
-             with the held check per row {:.1} ms at {big_name}, {:.1} ms at 10k",
+             as an anti-join (before) {:.1} ms at {big_name}, {:.1} ms at 10k",
             claim_big.values[round],
             claim_small.values[round],
             per_row_big.values[round],
@@ -677,7 +675,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     ));
     figures.push(Figure::cost(
         "P7",
-        format!("claim, held check per row, at {big_name}"),
+        format!("claim, held check as an anti-join (before), at {big_name}"),
         "ms",
         per_row_big.clone(),
         "same at 10k pending",
@@ -686,7 +684,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     ));
     figures.push(Figure::cost(
         "P7",
-        format!("claim, held check per row, at {big_name}"),
+        format!("claim, held check as an anti-join (before), at {big_name}"),
         "ms",
         per_row_big,
         format!("the framework's claim at {big_name}"),
@@ -699,7 +697,9 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             &sql.claim,
         ),
         (
-            format!("claim of {CLAIM_BATCH} at {big_name} pending, held check per row (variant)"),
+            format!(
+                "claim of {CLAIM_BATCH} at {big_name} pending, held check as an anti-join (before)"
+            ),
             &per_row_claim,
         ),
     ] {
@@ -812,6 +812,11 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let nothing_ms = ms(started);
     ensure!(nothing == 0, "pruned {nothing} rows twice");
 
+    let path = settings.json.with_file_name("p7_explain.txt");
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&path, &report)?;
     let big_due = due(&mut big_conn).await?;
     eprintln!("P7: prune --older-than 7d of {big_due} rows at {big_name} published");
     let first = tokio::spawn(async move {
@@ -858,9 +863,10 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
          a pruner of another schema's outbox_events ({small_due} rows due) returned {other} (first still running: {other_while_running})"
     );
     let (pruned, week_big_ms) = first.await??;
+    // Rows keep turning a week old while it runs (one every 121 ms at 10M over 14 days).
     ensure!(
-        pruned.abs_diff(big_due as u64) <= 10,
-        "pruned {pruned} of {big_due}"
+        pruned >= big_due as u64,
+        "pruned {pruned} of the {big_due} due"
     );
     eprintln!(
         "P7: prune --older-than 7d: {pruned} rows in {:.1} s at {big_name} published, {pruned_medium} rows in {:.2} s at 100k",
@@ -907,10 +913,6 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     other_schema.met = Some(other as i64 == small_due);
     figures.push(other_schema);
 
-    let path = settings.json.with_file_name("p7_explain.txt");
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
     std::fs::write(&path, report)?;
     eprintln!("P7 plans written to {}", path.display());
     for db in [&big, &capped] {

@@ -6,7 +6,9 @@ use sqlx::{AssertSqlSafe, PgConnection};
 /// run deletes fewer than `batch` rows. Each run is its own short statement, so pruning never
 /// holds many locks for long and can run beside relays and consumers. Returns the total.
 ///
-/// One instance at a time prunes `table`: the others find its session advisory lock taken
+/// One instance at a time prunes `table` (the table the name resolves to on this connection,
+/// keyed by its oid, so outboxes in other schemas prune independently): the others find its
+/// session advisory lock taken
 /// and return 0 at once, instead of deleting the same rows side by side (which in peers'
 /// experience contended and deadlocked at volume).
 ///
@@ -19,11 +21,12 @@ pub async fn delete_in_batches(
     older_than: Duration,
     batch: u32,
 ) -> Result<u64, sqlx::Error> {
-    let locked: bool =
-        sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext($1))")
-            .bind(table.as_str())
-            .fetch_one(&mut *conn)
-            .await?;
+    let locked: bool = sqlx::query_scalar(
+        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext($1::regclass::oid::text))",
+    )
+    .bind(table.as_str())
+    .fetch_one(&mut *conn)
+    .await?;
     if !locked {
         tracing::info!(
             table = table.as_str(),
@@ -32,10 +35,12 @@ pub async fn delete_in_batches(
         return Ok(0);
     }
     let pruned = delete_while_full(conn, delete, older_than, batch).await;
-    let unlocked = sqlx::query("SELECT pg_advisory_unlock(hashtext('outbox_prune'), hashtext($1))")
-        .bind(table.as_str())
-        .execute(&mut *conn)
-        .await;
+    let unlocked = sqlx::query(
+        "SELECT pg_advisory_unlock(hashtext('outbox_prune'), hashtext($1::regclass::oid::text))",
+    )
+    .bind(table.as_str())
+    .execute(&mut *conn)
+    .await;
     let pruned = pruned?;
     unlocked?;
     Ok(pruned)

@@ -26,7 +26,7 @@ async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
     // Another instance is pruning this table: it holds the prune lock on its session.
     let mut other = db.pool.acquire().await?;
     let taken: bool = sqlx::query_scalar(
-        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'))",
+        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'::regclass::oid::text))",
     )
     .fetch_one(&mut *other)
     .await?;
@@ -45,7 +45,7 @@ async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
     assert_eq!(pruned, 10);
     // The lock is released after a run: the other session can take it again.
     let again: bool = sqlx::query_scalar(
-        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'))",
+        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'::regclass::oid::text))",
     )
     .fetch_one(&mut *other)
     .await?;
@@ -77,5 +77,46 @@ async fn migration_0003_accepts_indexes_built_concurrently_beforehand() -> Resul
     .fetch_one(&db.pool)
     .await?;
     assert!(applied);
+    Ok(())
+}
+
+/// The prune lock is the table's, not its name's: an outbox in another schema (the same
+/// table name) prunes while this one is being pruned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pruner_of_another_schemas_outbox_is_not_held_back() -> Result<()> {
+    let (busy, other) = (TestDb::new().await?, TestDb::new().await?);
+    let mut tx = other.pool.begin().await?;
+    for n in 0..4 {
+        let e = NewEvent::new("order", "k", "OrderChanged", &json!({ "n": n }))?;
+        outbox_producer::enqueue(&mut tx, &e).await?;
+    }
+    tx.commit().await?;
+    sqlx::query(
+        "UPDATE outbox_events SET status = 'published', published_at = now() - interval '1 day'",
+    )
+    .execute(&other.pool)
+    .await?;
+    // The busy schema's pruner holds its lock (under the table's name too: the key this
+    // lock had before, which every schema's outbox_events shared).
+    let mut holder = busy.pool.acquire().await?;
+    let taken: bool = sqlx::query_scalar(
+        "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'::regclass::oid::text)) \
+            AND pg_try_advisory_lock(hashtext('outbox_prune'), hashtext('outbox_events'))",
+    )
+    .fetch_one(&mut *holder)
+    .await?;
+    assert!(taken);
+    let mut conn = other.pool.acquire().await?;
+    let pruned = outbox_producer::prune_published(
+        &mut conn,
+        &TableNames::default(),
+        Duration::from_secs(60),
+        3,
+    )
+    .await?;
+    assert_eq!(
+        pruned, 4,
+        "another schema's pruner holds only its own table"
+    );
     Ok(())
 }

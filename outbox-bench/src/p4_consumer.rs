@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use futures::future::try_join_all;
 use outbox_consumer::{
-    ConsumerConfig, DedupConsumer, DedupContext, Event, HandlerFuture, Outcome, consumer_config,
+    ConsumerConfig, DedupConsumer, DedupContext, Event, Handler, Outcome, consumer_config,
     stream_consumer,
 };
 use outbox_core::EventId;
@@ -16,7 +16,7 @@ use rdkafka::Message;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::Settings;
@@ -24,26 +24,18 @@ use crate::sample::{Figure, Sample};
 
 const PARTITIONS: i32 = 4;
 
-pub(crate) type Handler = for<'c> fn(
-    &'c Event<serde_json::Value>,
-    &'c mut Transaction<'static, Postgres>,
-) -> HandlerFuture<'c>;
-
 /// The handler both variants run: one insert on the given transaction.
-pub(crate) fn effect<'c>(
-    event: &'c Event<serde_json::Value>,
-    tx: &'c mut Transaction<'static, Postgres>,
-) -> HandlerFuture<'c> {
-    Box::pin(async move { insert_effect(tx, &event.key).await.map_err(Into::into) })
+pub(crate) async fn effect(
+    event: &Event<serde_json::Value>,
+    conn: &mut PgConnection,
+) -> Result<(), sqlx::Error> {
+    insert_effect(conn, &event.key).await
 }
 
-async fn insert_effect(
-    tx: &mut Transaction<'static, Postgres>,
-    key: &str,
-) -> Result<(), sqlx::Error> {
+async fn insert_effect(conn: &mut PgConnection, key: &str) -> Result<(), sqlx::Error> {
     sqlx::query("INSERT INTO effects (key) VALUES ($1)")
         .bind(key)
-        .execute(&mut **tx)
+        .execute(conn)
         .await?;
     Ok(())
 }
@@ -87,7 +79,7 @@ fn stream(topic: &str) -> Result<StreamConsumer<DedupContext>> {
 async fn dedup_rate(db: &TestDb, topic: &str, events: i64) -> Result<f64> {
     sqlx::query("TRUNCATE effects").execute(&db.pool).await?;
     let config = ConsumerConfig::new(unique("dedup")).max_concurrent_partitions(1);
-    let consumer = DedupConsumer::new(db.pool.clone(), config, effect as Handler)?;
+    let consumer = DedupConsumer::new(db.pool.clone(), config, effect)?;
     let shutdown = CancellationToken::new();
     let running = tokio::spawn({
         let (consumer, shutdown, stream) = (consumer.clone(), shutdown.clone(), stream(topic)?);
@@ -132,8 +124,8 @@ fn message(n: i64) -> OwnedMessage {
 }
 
 /// Duplicates handled per second by `consumer` over `messages` already seen.
-async fn duplicate_rate(
-    consumer: &DedupConsumer<serde_json::Value, Handler>,
+async fn duplicate_rate<H: Handler<serde_json::Value>>(
+    consumer: &DedupConsumer<serde_json::Value, H>,
     messages: &[OwnedMessage],
     expect: &Outcome,
 ) -> Result<f64> {
@@ -185,18 +177,10 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         plain.push(plain_rate(&db, &topic, events).await?);
 
         let name = unique("dup");
-        let warm = DedupConsumer::new(
-            db.pool.clone(),
-            ConsumerConfig::new(&name),
-            effect as Handler,
-        )?;
+        let warm = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new(&name), effect)?;
         duplicate_rate(&warm, &messages, &Outcome::Processed).await?;
         cached.push(duplicate_rate(&warm, &messages, &Outcome::DuplicateCached).await?);
-        let cold = DedupConsumer::new(
-            db.pool.clone(),
-            ConsumerConfig::new(&name),
-            effect as Handler,
-        )?;
+        let cold = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new(&name), effect)?;
         stored.push(duplicate_rate(&cold, &messages, &Outcome::DuplicateStored).await?);
         eprintln!(
             "P4 round {round}: dedup {:.0}, plain {:.0} msg/s; duplicates: cache {:.0}, table {:.0} per s",

@@ -4,46 +4,17 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use futures::future::BoxFuture;
 use moka::future::Cache;
 use rdkafka::Message;
 use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::decode::{self, Rejected};
 use crate::permit::Turn;
 use crate::sql::ConsumerSql;
-use crate::{ConsumerConfig, ConsumerError, Event, quarantine, span};
-
-/// What a handler may fail with. Anything that converts into a boxed error works
-/// (`anyhow::Error`, `sqlx::Error`, `std::io::Error`, ...).
-pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The future a handler returns: it may borrow the event and the transaction.
-pub type HandlerFuture<'c> = BoxFuture<'c, Result<(), HandlerError>>;
-
-/// A message handler: any `Send + Sync` function or closure that takes the event and the
-/// transaction its effect must be written on. Implemented for every such function; write
-/// closures inline where a handler is expected, or `|e, tx| Box::pin(my_async_fn(e, tx))`.
-pub trait Handler<P>:
-    for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-    + Send
-    + Sync
-    + 'static
-{
-}
-
-impl<P, F> Handler<P> for F where
-    F: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-        + Send
-        + Sync
-        + 'static
-{
-}
+use crate::{ConsumerConfig, ConsumerError, Handler, quarantine};
 
 /// What happened to one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,11 +30,14 @@ pub enum Outcome {
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
     /// `too_large`), or its attempts ran out (`handler_failed`: the handler returned an error
-    /// or panicked; `commit_failed`: the database rejected the COMMIT, e.g. a deferred
+    /// or panicked; `handler_rejected`: it said [`HandlerError::Quarantine`](crate::HandlerError::Quarantine); `commit_failed`: the database rejected the COMMIT, e.g. a deferred
     /// constraint; `transaction_failed`: it rejected the consumer's own dedup statement).
     Quarantined(&'static str),
     /// Shutdown came while a blocked handler was still retrying; the offset is not stored.
     Abandoned,
+    /// Not handled: its partition was revoked from this member after it was fetched (the
+    /// partition's new owner reads it again from the committed offset).
+    Revoked,
 }
 
 /// Counters of a [`DedupConsumer`], cumulative since it was built.
@@ -108,7 +82,7 @@ pub(crate) fn bump(counter: &AtomicU64) {
 }
 
 /// Counts `outcome` for `consumer` in the process's metrics recorder (a no-op without one).
-fn record_metric(consumer: &str, outcome: &Outcome) {
+pub(crate) fn record_metric(consumer: &str, outcome: &Outcome) {
     let consumer = consumer.to_owned();
     match outcome {
         Outcome::Processed => {
@@ -124,7 +98,7 @@ fn record_metric(consumer: &str, outcome: &Outcome) {
         Outcome::Quarantined(reason) => {
             metrics::counter!("outbox_consumer_quarantined_total", "consumer" => consumer, "reason" => *reason).increment(1);
         }
-        Outcome::Abandoned => {}
+        Outcome::Abandoned | Outcome::Revoked => {}
     }
 }
 
@@ -187,20 +161,21 @@ where
     /// ```no_run
     /// # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
     /// use outbox_consumer::{ConsumerConfig, DedupConsumer, Event};
+    /// use sqlx::PgConnection;
     ///
     /// #[derive(serde::Deserialize)]
     /// struct Invoice { cents: i64 }
     ///
-    /// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"), |event: &Event<Invoice>, tx| {
-    ///     Box::pin(async move {
-    ///         sqlx::query("INSERT INTO charges (idempotency_key, cents) VALUES ($1, $2)")
-    ///             .bind(event.idempotency_key())
-    ///             .bind(event.payload.cents)
-    ///             .execute(&mut **tx)
-    ///             .await?;
-    ///         Ok(())
-    ///     })
-    /// })?;
+    /// async fn charge(event: &Event<Invoice>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    ///     sqlx::query("INSERT INTO charges (idempotency_key, cents) VALUES ($1, $2)")
+    ///         .bind(event.idempotency_key())
+    ///         .bind(event.payload.cents)
+    ///         .execute(conn)
+    ///         .await?;
+    ///     Ok(())
+    /// }
+    ///
+    /// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"), charge)?;
     /// # Ok(()) }
     /// ```
     pub fn new(pool: PgPool, config: ConsumerConfig, handler: H) -> Result<Self, ConsumerError> {
@@ -270,53 +245,15 @@ where
         message: &OwnedMessage,
         shutdown: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
-        self.process_in_turn(message, shutdown, &mut Turn::unlimited())
-            .await
-    }
-
-    /// [`Self::process`], giving `turn` back while it waits out a retry backoff.
-    pub(crate) async fn process_in_turn(
-        &self,
-        message: &OwnedMessage,
-        shutdown: &CancellationToken,
-        turn: &mut Turn<'_>,
-    ) -> Result<Outcome, ConsumerError> {
-        let started = std::time::Instant::now();
-        let outcome = self
-            .process_unmetered(message, shutdown, turn)
-            .instrument(span::message_span(&self.inner.name, message))
+        let outcomes = self
+            .process_batch(
+                std::slice::from_ref(message),
+                shutdown,
+                &mut Turn::unlimited(),
+                &|| true,
+            )
             .await?;
-        record_metric(&self.inner.name, &outcome);
-        metrics::histogram!("outbox_consumer_message_seconds", "consumer" => self.inner.name.clone())
-            .record(started.elapsed().as_secs_f64());
-        Ok(outcome)
-    }
-
-    async fn process_unmetered(
-        &self,
-        message: &OwnedMessage,
-        shutdown: &CancellationToken,
-        turn: &mut Turn<'_>,
-    ) -> Result<Outcome, ConsumerError> {
-        let inner = &*self.inner;
-        let event = match decode::decode(&inner.config, message) {
-            Ok(event) => event,
-            Err(rejected) => {
-                let Rejected {
-                    reason,
-                    error,
-                    event_id,
-                } = rejected;
-                return self.quarantine(message, event_id, reason, &error).await;
-            }
-        };
-        if inner.cache.contains_key(event.id.as_uuid()) {
-            bump(&inner.counters.duplicates_cached);
-            tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");
-            return Ok(Outcome::DuplicateCached);
-        }
-        self.handle_until_done(message, &event, shutdown, turn)
-            .await
+        Ok(outcomes.into_iter().next().unwrap_or(Outcome::Abandoned))
     }
 
     pub(crate) async fn quarantine(

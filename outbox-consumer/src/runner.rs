@@ -4,21 +4,20 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rdkafka::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::{ClientConfig, ClientContext};
 use serde::de::DeserializeOwned;
-use sqlx::PgPool;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::assignment::{DedupContext, stream_consumer};
-use crate::consumer::{Handler, Outcome};
+use crate::assignment::DedupContext;
+use crate::consumer::Outcome;
 use crate::partition_queue::{PartitionReceiver, PartitionSender, Queued, partition_queue};
 use crate::permit::Turn;
-use crate::{ConsumerConfig, ConsumerError, DedupConsumer};
+use crate::{ConsumerError, DedupConsumer, Handler};
 
 /// Settings the consumer's guarantees rest on, applied over the caller's.
 const REQUIRED: &[(&str, &str)] = &[
@@ -51,30 +50,6 @@ pub(crate) fn enforce_required(config: &mut ClientConfig) {
         }
         config.set(*key, *value);
     }
-}
-
-/// Builds a consumer from `kafka` (with the required settings enforced), subscribes it to
-/// `topics`, and runs `handler` once per event id until `shutdown` is cancelled. The consumer
-/// name defaults to the `group.id`.
-pub async fn dedup_consume<P, H>(
-    kafka: &ClientConfig,
-    topics: &[&str],
-    pool: PgPool,
-    mut config: ConsumerConfig,
-    handler: H,
-    shutdown: CancellationToken,
-) -> Result<(), ConsumerError>
-where
-    P: DeserializeOwned + Send + Sync + 'static,
-    H: Handler<P>,
-{
-    if config.name.is_none() {
-        config.name = kafka.get("group.id").map(str::to_owned);
-    }
-    let consumer = DedupConsumer::new(pool, config, handler)?;
-    let stream = stream_consumer(kafka)?;
-    stream.subscribe(topics)?;
-    consumer.run(stream, shutdown).await
 }
 
 impl<P, H> DedupConsumer<P, H>
@@ -110,9 +85,9 @@ where
     /// fatal error (it would fetch nothing more), and the error of a partition worker that
     /// stopped on a fault; in both cases the other partitions stop after their current
     /// message, and the stored offsets are committed as on shutdown.
-    pub async fn run(
+    pub async fn run<C: ClientContext + 'static>(
         &self,
-        consumer: StreamConsumer<DedupContext>,
+        consumer: StreamConsumer<DedupContext<C>>,
         shutdown: CancellationToken,
     ) -> Result<(), ConsumerError> {
         let consumer = Arc::new(consumer);
@@ -183,9 +158,9 @@ where
         result
     }
 
-    async fn partition_worker(
+    async fn partition_worker<C: ClientContext + 'static>(
         self,
-        consumer: Arc<StreamConsumer<DedupContext>>,
+        consumer: Arc<StreamConsumer<DedupContext<C>>>,
         mut queue: PartitionReceiver,
         permits: Arc<Semaphore>,
         shutdown: CancellationToken,
@@ -196,25 +171,51 @@ where
                 .context()
                 .epoch(message.topic(), message.partition())
         };
-        while let Some(Queued { message, epoch }) = queue.next(&consumer).await {
+        while let Some(first) = queue.next(&consumer).await {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            if epoch != current(&message) {
-                // Fetched before the partition was revoked: whoever owns it now reads it
-                // again from the committed offset.
-                self.inner.note_revoked_skip();
-                continue;
+            // What is queued now, never waiting for more: at low load a batch is one message.
+            let mut batch = vec![first];
+            while batch.len() < config.max_batch_size {
+                match queue.try_next(&consumer) {
+                    Some(queued) => batch.push(queued),
+                    None => break,
+                }
             }
+            // Fetched before the partition was revoked: whoever owns it now reads them again
+            // from the committed offset.
+            let mut epoch = 0;
+            let messages: Vec<OwnedMessage> = batch
+                .into_iter()
+                .filter_map(|queued| {
+                    if queued.epoch == current(&queued.message) {
+                        epoch = queued.epoch;
+                        Some(queued.message)
+                    } else {
+                        self.inner.note_revoked_skip();
+                        None
+                    }
+                })
+                .collect();
+            let Some(last) = messages.last() else {
+                continue;
+            };
             let mut turn = Turn::take(&permits).await?;
             let mut failures = 0;
-            let outcome = loop {
-                match self.process_in_turn(&message, &shutdown, &mut turn).await {
-                    Ok(outcome) => break outcome,
+            let outcomes = loop {
+                let owned = || current(last) == epoch;
+                match self
+                    .process_batch(&messages, &shutdown, &mut turn, &owned)
+                    .await
+                {
+                    Ok(outcomes) => break outcomes,
                     Err(error) => {
-                        // The database is unavailable: retry this message, never skip it.
-                        tracing::warn!(%error, topic = message.topic(), partition = message.partition(),
-                            offset = message.offset(), "cannot handle message; retrying");
+                        // The database is unavailable: retry these messages, never skip them
+                        // (what committed meanwhile is found deduplicated).
+                        tracing::warn!(%error, topic = last.topic(), partition = last.partition(),
+                            offset = last.offset(), messages = messages.len(),
+                            "cannot handle messages; retrying");
                         let delay =
                             outbox_core::backoff(config.backoff_base, config.backoff_max, failures);
                         if !turn.back_off(delay, &shutdown).await? {
@@ -225,11 +226,8 @@ where
                 }
             };
             drop(turn);
-            if outcome == Outcome::Abandoned {
-                return Ok(());
-            }
             #[cfg(feature = "fault-injection")]
-            if outcome == Outcome::Processed
+            if outcomes.contains(&Outcome::Processed)
                 && self
                     .inner
                     .crash_after_commit
@@ -239,16 +237,33 @@ where
                     "crash after commit, before storing the offset",
                 ));
             }
-            // Revoked while it was handled: storing now could move a newer owner's (or a
-            // re-fetch's) committed offset backwards. Its redelivery is a duplicate.
-            if epoch == current(&message) {
-                store_offset(&consumer, &message);
+            for _ in outcomes.iter().filter(|o| **o == Outcome::Revoked) {
+                self.inner.note_revoked_skip();
+            }
+            // Offsets up to the last message fully handled; an abandoned or revoked one and
+            // those after it are redelivered.
+            let done = outcomes
+                .iter()
+                .take_while(|o| !matches!(o, Outcome::Abandoned | Outcome::Revoked))
+                .count();
+            // Revoked while they were handled: storing now could move a newer owner's (or a
+            // re-fetch's) committed offset backwards. Their redelivery is deduplicated.
+            if let Some(message) = done.checked_sub(1).map(|i| &messages[i])
+                && epoch == current(message)
+            {
+                store_offset(&consumer, message);
+            }
+            if outcomes.contains(&Outcome::Abandoned) {
+                return Ok(());
             }
         }
         Ok(())
     }
 
-    async fn close(&self, consumer: Arc<StreamConsumer<DedupContext>>) {
+    async fn close<C: ClientContext + 'static>(
+        &self,
+        consumer: Arc<StreamConsumer<DedupContext<C>>>,
+    ) {
         let timeout = self.inner.config.shutdown_timeout;
         // Committing and dropping can block on an unreachable broker: do both on a blocking
         // thread and stop waiting after `timeout`.

@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use outbox_consumer::{
-    ConsumerConfig, ConsumerError, DedupConsumer, Event, consumer_config, stream_consumer,
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, Handler, HandlerError, consumer_config,
+    stream_consumer,
 };
 use outbox_producer::{NewEvent, Outbox, ProducerError, Relay, RelayConfig, producer_config};
 use rdkafka::consumer::Consumer;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::billing::Billing;
@@ -120,33 +121,41 @@ fn billing_consumer(
     pool: PgPool,
     group: &str,
     crash: &Arc<CrashSwitch>,
-) -> Result<DedupConsumer<SendInvoice, impl outbox_consumer::Handler<SendInvoice>>> {
-    let billing = Billing::new(pool.clone());
-    let crash = Arc::clone(crash);
-    DedupConsumer::new(pool, ConsumerConfig::new(group), move |event, tx| {
-        Box::pin(charge(event, tx, billing.clone(), Arc::clone(&crash)))
-    })
-    .context("creating the billing consumer")
+) -> Result<DedupConsumer<SendInvoice, Charger>> {
+    let charger = Charger {
+        billing: Billing::new(pool.clone()),
+        crash: Arc::clone(crash),
+    };
+    DedupConsumer::new(pool, ConsumerConfig::new(group), charger)
+        .context("creating the billing consumer")
 }
 
-/// The billing tool call: charge, then record the charge in the agent's state on the
-/// handler's transaction (the one the dedup row commits with).
-async fn charge(
-    event: &Event<SendInvoice>,
-    tx: &mut Transaction<'static, Postgres>,
+/// The billing handler: what it needs to make the tool call.
+struct Charger {
     billing: Billing,
     crash: Arc<CrashSwitch>,
-) -> Result<(), outbox_consumer::HandlerError> {
-    let charge_id = billing
-        .charge(&event.idempotency_key(), &event.payload)
-        .await?;
-    crash.reached(CrashPoint::InHandler);
-    sqlx::query("UPDATE agent_tasks SET state = 'charged', charge_id = $2 WHERE id = $1")
-        .bind(&event.payload.task)
-        .bind(charge_id)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
+}
+
+impl Handler<SendInvoice> for Charger {
+    /// Charge, then record the charge in the agent's state on the handler's connection (the
+    /// transaction the dedup row commits with).
+    async fn handle(
+        &self,
+        event: &Event<SendInvoice>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let charge_id = self
+            .billing
+            .charge(&event.idempotency_key(), &event.payload)
+            .await?;
+        self.crash.reached(CrashPoint::InHandler);
+        sqlx::query("UPDATE agent_tasks SET state = 'charged', charge_id = $2 WHERE id = $1")
+            .bind(&event.payload.task)
+            .bind(charge_id)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
 }
 
 /// Waits until every task is charged and nothing is left pending in the outbox.

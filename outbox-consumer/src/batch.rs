@@ -71,7 +71,7 @@ where
     /// partition was revoked, no further message is handled: the rest are
     /// [`Outcome::Revoked`]. `Err` when the database cannot be reached: what had committed
     /// before stays committed (a retry finds it deduplicated), nothing is skipped.
-    pub(crate) async fn process_batch(
+    pub(crate) async fn handle_batch(
         &self,
         messages: &[OwnedMessage],
         shutdown: &CancellationToken,

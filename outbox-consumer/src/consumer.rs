@@ -140,6 +140,8 @@ pub(crate) struct Inner<P, H> {
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) crash_after_commit_of: std::sync::Mutex<Option<Uuid>>,
 }
 
 impl<P, H> Inner<P, H> {
@@ -196,6 +198,8 @@ where
                 _payload: std::marker::PhantomData,
                 #[cfg(feature = "fault-injection")]
                 crash_after_commit: std::sync::atomic::AtomicBool::new(false),
+                #[cfg(feature = "fault-injection")]
+                crash_after_commit_of: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -236,6 +240,17 @@ where
         self.inner.crash_after_commit.store(true, Ordering::SeqCst);
     }
 
+    /// Makes the consumer stop, as a crash would, after the commit that covers event `id`
+    /// (its batch's) and before that batch's offsets are stored. For tests.
+    #[cfg(feature = "fault-injection")]
+    pub fn crash_after_commit_of(&self, id: outbox_core::EventId) {
+        *self
+            .inner
+            .crash_after_commit_of
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(*id.as_uuid());
+    }
+
     /// Handles one message end to end (everything but storing its offset). `Err` means the
     /// database was unavailable (it could not be reached, see the README's "What counts as a
     /// failure"): nothing was skipped, and the message should be retried. A transaction the
@@ -246,14 +261,23 @@ where
         shutdown: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
         let outcomes = self
-            .process_batch(
-                std::slice::from_ref(message),
-                shutdown,
-                &mut Turn::unlimited(),
-                &|| true,
-            )
+            .process_batch(std::slice::from_ref(message), shutdown)
             .await?;
         Ok(outcomes.into_iter().next().unwrap_or(Outcome::Abandoned))
+    }
+
+    /// Handles `messages` of one partition, in offset order, as one batch: one transaction
+    /// for all of them unless a handler fails (see the crate docs), everything but storing the
+    /// offsets. Returns their outcomes in order; it ends early after an
+    /// [`Outcome::Abandoned`] one (shutdown under `Block`), whose offset and later ones must
+    /// not be stored. `Err` as for [`Self::process`].
+    pub async fn process_batch(
+        &self,
+        messages: &[OwnedMessage],
+        shutdown: &CancellationToken,
+    ) -> Result<Vec<Outcome>, ConsumerError> {
+        self.handle_batch(messages, shutdown, &mut Turn::unlimited(), &|| true)
+            .await
     }
 
     pub(crate) async fn quarantine(

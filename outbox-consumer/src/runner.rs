@@ -206,7 +206,7 @@ where
             let outcomes = loop {
                 let owned = || current(last) == epoch;
                 match self
-                    .process_batch(&messages, &shutdown, &mut turn, &owned)
+                    .handle_batch(&messages, &shutdown, &mut turn, &owned)
                     .await
                 {
                     Ok(outcomes) => break outcomes,
@@ -227,16 +227,7 @@ where
             };
             drop(turn);
             #[cfg(feature = "fault-injection")]
-            if outcomes.contains(&Outcome::Processed)
-                && self
-                    .inner
-                    .crash_after_commit
-                    .swap(false, std::sync::atomic::Ordering::SeqCst)
-            {
-                return Err(ConsumerError::InjectedFault(
-                    "crash after commit, before storing the offset",
-                ));
-            }
+            self.crash_if_due(&messages, &outcomes)?;
             for _ in outcomes.iter().filter(|o| **o == Outcome::Revoked) {
                 self.inner.note_revoked_skip();
             }
@@ -256,6 +247,43 @@ where
             if outcomes.contains(&Outcome::Abandoned) {
                 return Ok(());
             }
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn crash_if_due(
+        &self,
+        messages: &[OwnedMessage],
+        outcomes: &[Outcome],
+    ) -> Result<(), ConsumerError> {
+        use rdkafka::message::Headers;
+        use std::sync::atomic::Ordering::SeqCst;
+        let inner = &self.inner;
+        let processed = outcomes.contains(&Outcome::Processed);
+        let mut target = inner
+            .crash_after_commit_of
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let covered = target.is_some_and(|id| {
+            messages.iter().zip(outcomes).any(|(m, o)| {
+                *o == Outcome::Processed
+                    && outbox_core::wire::event_id(
+                        m.headers()
+                            .into_iter()
+                            .flat_map(|h| h.iter())
+                            .map(|h| (h.key, h.value)),
+                    )
+                    .is_ok_and(|e| *e.as_uuid() == id)
+            })
+        });
+        if covered {
+            *target = None;
+        }
+        if covered || (processed && inner.crash_after_commit.swap(false, SeqCst)) {
+            return Err(ConsumerError::InjectedFault(
+                "crash after commit, before storing the offset",
+            ));
         }
         Ok(())
     }

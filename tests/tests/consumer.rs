@@ -10,9 +10,10 @@ use outbox_consumer::{
     HandlerFailurePolicy, Outcome, boxed, consumer_config, stream_consumer,
 };
 use outbox_core::EventId;
-use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
+use outbox_tests::{
+    TestDb, event_message, eventually, kafka_bootstrap, produce_raw, random_topic, unique,
+};
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
 use serde::Deserialize;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -212,23 +213,6 @@ async fn crash_after_commit_before_offset_store_is_absorbed() -> Result<()> {
     Ok(())
 }
 
-fn message(topic: &str, offset: i64, id: EventId, payload: &str) -> OwnedMessage {
-    let id = id.to_string();
-    let headers = OwnedHeaders::new().insert(Header {
-        key: "id",
-        value: Some(&id),
-    });
-    OwnedMessage::new(
-        Some(payload.as_bytes().to_vec()),
-        Some(b"k".to_vec()),
-        topic.to_owned(),
-        Timestamp::NotAvailable,
-        0,
-        offset,
-        Some(headers),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_error_rolls_back_state_and_dedup_row_then_retry_succeeds_once() -> Result<()> {
     let db = db_for("c1").await?;
@@ -256,7 +240,7 @@ async fn handler_error_rolls_back_state_and_dedup_row_then_retry_succeeds_once()
     let id = EventId::new();
     let outcome = c
         .process(
-            &message("t", 0, id, r#"{"n":1}"#),
+            &event_message("t", 0, id, r#"{"n":1}"#),
             &CancellationToken::new(),
         )
         .await?;
@@ -451,7 +435,7 @@ async fn cache_hit_makes_no_database_round_trip() -> Result<()> {
     effects_table(&db.pool).await?;
     let c = consumer(&db, ConsumerConfig::new("c1"))?;
     let id = EventId::new();
-    let msg = message("t", 0, id, r#"{"n":1}"#);
+    let msg = event_message("t", 0, id, r#"{"n":1}"#);
     let none = CancellationToken::new();
     assert_eq!(c.process(&msg, &none).await?, Outcome::Processed);
     let transactions = c.stats().transactions;
@@ -489,7 +473,7 @@ async fn prune_removes_only_expired_rows_and_a_pruned_event_is_handled_again() -
 
     // Documented behaviour: once its dedup row is pruned, a redelivered event looks new.
     let id = EventId::new();
-    let msg = message("t", 0, id, r#"{"n":1}"#);
+    let msg = event_message("t", 0, id, r#"{"n":1}"#);
     let none = CancellationToken::new();
     assert_eq!(
         consumer(&db, ConsumerConfig::new("c1"))?
@@ -540,7 +524,7 @@ async fn block_policy_retries_until_shutdown_and_never_quarantines() -> Result<(
     let id = EventId::new();
     let processing = tokio::spawn({
         let (c, shutdown) = (c.clone(), shutdown.clone());
-        let msg = message("t", 0, id, r#"{"n":1,"fail":true}"#);
+        let msg = event_message("t", 0, id, r#"{"n":1,"fail":true}"#);
         async move { c.process(&msg, &shutdown).await }
     });
     eventually("the handler is retried past max_attempts", WAIT, || async {

@@ -1,5 +1,6 @@
-//! The consumer: its handler, its settings and counters, and the path of one message
-//! (decode, cache, the dedup transaction or the quarantine) with its span and metrics.
+//! The consumer: its settings and counters, what happened to a message, its quarantine, and
+//! the entry points for hand-driven loops (a batch's path is in `batch.rs`, one
+//! message's retries in `dedup_transaction.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -104,10 +105,11 @@ pub(crate) fn record_metric(consumer: &str, outcome: &Outcome) {
 
 /// Runs a handler once per (consumer name, event id), however often Kafka delivers the event.
 ///
-/// For each message: decode under the wire contract (or quarantine); skip if the id is in the
-/// in-memory cache; else, in one transaction, insert the id into the dedup table
-/// (`ON CONFLICT DO NOTHING`: no row means a duplicate, skipped) and run the handler on the
-/// same transaction, then commit and remember the id. Cheap to clone.
+/// For each batch of one partition's messages: decode under the wire contract (or quarantine);
+/// skip ids in the in-memory cache; in one transaction, insert the other ids into the dedup
+/// table (`ON CONFLICT DO NOTHING RETURNING`: an id not returned is a duplicate, skipped) and
+/// run the handler of each new one on the same transaction, then commit and remember the ids.
+/// Cheap to clone.
 pub struct DedupConsumer<P, H> {
     pub(crate) inner: Arc<Inner<P, H>>,
 }

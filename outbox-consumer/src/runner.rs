@@ -28,7 +28,7 @@ const REQUIRED: &[(&str, &str)] = &[
 ];
 
 /// A consumer configuration for `bootstrap_servers` and group `group_id`, with the settings
-/// [`dedup_consume`] requires, reading new groups from the earliest offset.
+/// [`dedup_consume`](crate::dedup_consume) requires, reading new groups from the earliest offset.
 pub fn consumer_config(bootstrap_servers: &str, group_id: &str) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
@@ -69,7 +69,7 @@ where
         Ok(outcome)
     }
 
-    /// Consumes until `shutdown` is cancelled. `consumer` comes from [`stream_consumer`]
+    /// Consumes until `shutdown` is cancelled. `consumer` comes from [`stream_consumer`](crate::stream_consumer)
     /// and must be subscribed (or assigned).
     ///
     /// Partitions are handled concurrently (up to `max_concurrent_partitions`), each in

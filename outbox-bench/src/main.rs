@@ -9,6 +9,7 @@ mod p2_relay;
 mod p3_latency;
 mod p4_consumer;
 mod p6_debezium;
+mod p7_scale;
 mod sample;
 
 use std::time::Duration;
@@ -23,7 +24,8 @@ pub(crate) struct Settings {
     /// Which parts to run: p1 (write overhead), p2 (relay throughput and P5 growth),
     /// p3 (latency), p4 (consumer), mem (peak RSS of a relay and a consumer process),
     /// p6 (the relay vs Debezium's Outbox Event Router: backlog throughput, latency at 1k ev/s;
-    /// needs Kafka Connect).
+    /// needs Kafka Connect); not by default: p7 (stats, claim and prune at `--scale-rows`
+    /// pending and published rows, ~15 min and ~8 GB of disk at 10M).
     #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into(), "p6".into()])]
     only: Vec<String>,
     /// Interleaved rounds per figure.
@@ -41,6 +43,9 @@ pub(crate) struct Settings {
     /// Relay batch size.
     #[arg(long, default_value_t = 1_000)]
     pub(crate) batch_size: u32,
+    /// Pending rows, and published rows, of P7's large outbox.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub(crate) scale_rows: i64,
     /// Internal: run as a `mem` child process in this role.
     #[arg(long, value_enum, hide = true)]
     role: Option<memory::Role>,
@@ -52,7 +57,7 @@ pub(crate) struct Settings {
     pub(crate) topic: Option<String>,
     /// Where to write the JSON results.
     #[arg(long, default_value = "target/bench/results.json")]
-    json: std::path::PathBuf,
+    pub(crate) json: std::path::PathBuf,
 }
 
 fn humantime_secs(s: &str) -> Result<Duration, std::num::ParseFloatError> {
@@ -86,6 +91,9 @@ async fn main() -> Result<()> {
     }
     if wants("p6") {
         figures.extend(p6_debezium::run(&settings).await?);
+    }
+    if wants("p7") {
+        figures.extend(p7_scale::run(&settings).await?);
     }
     let peak_rss_kib = peak_rss_kib();
     println!(

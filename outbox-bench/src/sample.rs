@@ -104,6 +104,31 @@ impl Figure {
         }
     }
 
+    /// A cost against the same cost at a smaller scale: the ratio is measured / baseline, how
+    /// many times more the measured variant costs; `max_ratio`, if any, is its target.
+    pub(crate) fn cost(
+        id: &'static str,
+        what: impl Into<String>,
+        unit: &'static str,
+        measured: Sample,
+        baseline_name: impl Into<String>,
+        baseline: Sample,
+        max_ratio: Option<f64>,
+    ) -> Self {
+        let ratio = measured.median() / baseline.median();
+        Self {
+            id,
+            what: what.into(),
+            unit,
+            measured,
+            baseline_name: baseline_name.into(),
+            baseline,
+            ratio,
+            target: max_ratio.map_or_else(|| "-".to_owned(), |r| format!("ratio <= {r}")),
+            met: max_ratio.map(|r| ratio <= r),
+        }
+    }
+
     pub(crate) fn row(&self) -> String {
         let s = |x: &Sample| format!("{:>10.1} [{:.1}..{:.1}]", x.median(), x.min(), x.max());
         let met = match self.met {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_core::TableNames;
+use sqlx::types::chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -31,6 +32,7 @@ struct OutboxRow {
     aggregateid: String,
     status: String,
     version: Option<i64>,
+    last_error: Option<String>,
 }
 
 #[derive(Debug, sqlx::FromRow)]
@@ -46,6 +48,7 @@ struct PoisonRow {
     partition: i32,
     kafka_offset: i64,
     expected_reason: String,
+    epoch: i32,
 }
 
 #[derive(Debug, sqlx::FromRow)]
@@ -54,6 +57,7 @@ struct QuarantineRow {
     partition: i32,
     offset: i64,
     reason: String,
+    quarantined_at: DateTime<Utc>,
 }
 
 /// Logs the first few examples of a violation.
@@ -76,7 +80,7 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     };
     let outbox_table = &t.tables.outbox;
     let outbox: Vec<OutboxRow> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT seq, id, aggregateid, status, (payload->>'version')::bigint AS version \
+        "SELECT seq, id, aggregateid, status, (payload->>'version')::bigint AS version, last_error \
          FROM {outbox_table} ORDER BY seq"
     )))
     .fetch_all(t.pool)
@@ -84,7 +88,53 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     let committed: HashMap<Uuid, &OutboxRow> = outbox.iter().map(|r| (r.id, r)).collect();
     s.events_committed = n(committed.len());
     s.pending = n(outbox.iter().filter(|r| r.status == "pending").count());
-    s.outbox_quarantined = n(outbox.iter().filter(|r| r.status == "quarantined").count());
+    // Rows made to fail for good on purpose: quarantined with their reason, and missing from
+    // the topic and the effects by design. Any other quarantined row is a violation.
+    let expected: HashMap<Uuid, String> =
+        sqlx::query_as("SELECT event_id, reason_contains FROM chaos_expected_quarantine")
+            .fetch_all(t.pool)
+            .await?
+            .into_iter()
+            .collect();
+    s.outbox_quarantined = n(outbox
+        .iter()
+        .filter(|r| r.status == "quarantined" && !expected.contains_key(&r.id))
+        .count());
+    let mut expected_failures = Vec::new();
+    for (id, reason) in &expected {
+        s.expected_quarantine_planned += 1;
+        match committed.get(id) {
+            Some(row)
+                if row.status == "quarantined"
+                    && row
+                        .last_error
+                        .as_deref()
+                        .is_some_and(|e| e.contains(reason.as_str())) =>
+            {
+                s.expected_quarantined += 1;
+            }
+            other => expected_failures.push(format!(
+                "{id}: expected quarantined with {reason}, got {:?}",
+                other.map(|r| (&r.status, &r.last_error))
+            )),
+        }
+    }
+    report("rows expected in quarantine", &expected_failures);
+    s.expected_quarantine_failures = n(expected_failures.len());
+
+    // Deletions of the topic: the events it held then are verified by their effects only.
+    let deletions: Vec<DateTime<Utc>> =
+        sqlx::query_scalar("SELECT deleted_at FROM chaos_topic_deletions ORDER BY epoch")
+            .fetch_all(t.pool)
+            .await?;
+    let epoch_now = i32::try_from(deletions.len())?;
+    let epoch_at = |at: DateTime<Utc>| deletions.iter().filter(|d| **d < at).count();
+    let deleted_with_topic: HashSet<Uuid> =
+        sqlx::query_scalar("SELECT event_id FROM chaos_deleted_with_topic")
+            .fetch_all(t.pool)
+            .await?
+            .into_iter()
+            .collect();
 
     // Atomicity: state rows and outbox rows agree, one for one.
     let attempts: HashSet<Uuid> =
@@ -154,11 +204,13 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
 
     // The topic, read back whole.
     let poison: Vec<PoisonRow> =
-        sqlx::query_as("SELECT partition, kafka_offset, expected_reason FROM chaos_poison")
+        sqlx::query_as("SELECT partition, kafka_offset, expected_reason, epoch FROM chaos_poison")
             .fetch_all(t.pool)
             .await?;
+    // Positions in the topic as it is now (records of a deleted epoch are gone).
     let poison_at: HashSet<(i32, i64)> = poison
         .iter()
+        .filter(|p| p.epoch == epoch_now)
         .map(|p| (p.partition, p.kafka_offset))
         .collect();
     let records = read_all(t.brokers, t.topic, t.partitions, Duration::from_secs(120)).await?;
@@ -193,11 +245,19 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
             }
         }
     }
-    s.published = n(seen.len());
+    s.published = n(seen.len()
+        + deleted_with_topic
+            .iter()
+            .filter(|id| !seen.contains_key(id))
+            .count());
     s.duplicates_delivered = seen.values().map(|c| c - 1).sum();
     let unpublished: Vec<Uuid> = outbox
         .iter()
-        .filter(|r| !seen.contains_key(&r.id))
+        .filter(|r| {
+            !seen.contains_key(&r.id)
+                && !expected.contains_key(&r.id)
+                && !deleted_with_topic.contains(&r.id)
+        })
         .map(|r| r.id)
         .collect();
     report("committed but never published", &unpublished);
@@ -244,7 +304,9 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
         let counts = per_group.get(group.as_str());
         let missing: Vec<Uuid> = outbox
             .iter()
-            .filter(|r| counts.is_none_or(|c| !c.contains_key(&r.id)))
+            .filter(|r| {
+                counts.is_none_or(|c| !c.contains_key(&r.id)) && !expected.contains_key(&r.id)
+            })
             .map(|r| r.id)
             .collect();
         report(&format!("no effect in {group}"), &missing);
@@ -267,17 +329,34 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     // partition went on past them.
     let quarantine_table = &t.tables.consumer_quarantine;
     let quarantined: Vec<QuarantineRow> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT consumer, partition, \"offset\", reason FROM {quarantine_table} WHERE topic = $1"
+        "SELECT consumer, partition, \"offset\", reason, quarantined_at FROM {quarantine_table} \
+         WHERE topic = $1"
     )))
     .bind(t.topic)
     .fetch_all(t.pool)
     .await?;
-    let by_position: HashMap<(&str, i32, i64), &str> = quarantined
+    // A position names a record within one epoch of the topic.
+    let by_position: HashMap<(&str, usize, i32, i64), &str> = quarantined
         .iter()
         .map(|q| {
             (
-                (q.consumer.as_str(), q.partition, q.offset),
+                (
+                    q.consumer.as_str(),
+                    epoch_at(q.quarantined_at),
+                    q.partition,
+                    q.offset,
+                ),
                 q.reason.as_str(),
+            )
+        })
+        .collect();
+    let poison_positions: HashSet<(usize, i32, i64)> = poison
+        .iter()
+        .map(|p| {
+            (
+                usize::try_from(p.epoch).unwrap_or(0),
+                p.partition,
+                p.kafka_offset,
             )
         })
         .collect();
@@ -285,7 +364,8 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     for p in &poison {
         for group in t.groups {
             s.poison_injected += 1;
-            match by_position.get(&(group.as_str(), p.partition, p.kafka_offset)) {
+            let epoch = usize::try_from(p.epoch)?;
+            match by_position.get(&(group.as_str(), epoch, p.partition, p.kafka_offset)) {
                 Some(reason) if *reason == p.expected_reason => s.poison_quarantined += 1,
                 other => poison_failures.push(format!(
                     "{group}: {}:{} expected {}, got {other:?}",
@@ -293,10 +373,24 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
                 )),
             }
         }
-        if last_good
-            .get(&p.partition)
-            .is_none_or(|o| *o < p.kafka_offset)
-        {
+        // In a deleted epoch, the records after it are known by their effects.
+        let flowed_past = match deletions.get(usize::try_from(p.epoch)?) {
+            None => last_good
+                .get(&p.partition)
+                .is_some_and(|o| *o > p.kafka_offset),
+            Some(deleted_at) => {
+                sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM chaos_effects \
+                 WHERE partition = $1 AND kafka_offset > $2 AND at < $3)",
+                )
+                .bind(p.partition)
+                .bind(p.kafka_offset)
+                .bind(deleted_at)
+                .fetch_one(t.pool)
+                .await?
+            }
+        };
+        if !flowed_past {
             poison_failures.push(format!(
                 "no good record after poison at {}:{}",
                 p.partition, p.kafka_offset
@@ -307,7 +401,9 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     s.poison_failures = n(poison_failures.len());
     let unexpected: Vec<String> = quarantined
         .iter()
-        .filter(|q| !poison_at.contains(&(q.partition, q.offset)))
+        .filter(|q| {
+            !poison_positions.contains(&(epoch_at(q.quarantined_at), q.partition, q.offset))
+        })
         .map(|q| format!("{}: {}:{} {}", q.consumer, q.partition, q.offset, q.reason))
         .collect();
     report("good records quarantined", &unexpected);

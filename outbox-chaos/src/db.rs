@@ -43,7 +43,27 @@ CREATE TABLE chaos_poison (
     event_id        UUID,
     partition       INT    NOT NULL,
     kafka_offset    BIGINT NOT NULL,
-    expected_reason TEXT   NOT NULL
+    expected_reason TEXT   NOT NULL,
+    -- The topic's incarnation the record went into: deletions of the topic before it.
+    epoch           INT    NOT NULL DEFAULT 0
+);
+-- Outbox rows the harness made fail for good on purpose: each must be quarantined by the
+-- relays with a reason containing `reason_contains`, and is missing from the topic and from
+-- every group's effects by design.
+CREATE TABLE chaos_expected_quarantine (
+    event_id        UUID PRIMARY KEY,
+    reason_contains TEXT NOT NULL
+);
+-- Deletions of the topic (each starts a new epoch of it), and the events the topic held
+-- when it was deleted: those were applied by every group before the deletion and are
+-- verified by their effects only, since the topic no longer has them.
+CREATE TABLE chaos_topic_deletions (
+    epoch      INT         PRIMARY KEY,
+    deleted_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE chaos_deleted_with_topic (
+    event_id UUID PRIMARY KEY,
+    epoch    INT  NOT NULL
 );
 ";
 

@@ -29,6 +29,9 @@ pub(crate) fn send_sigterm(pid: u32) {
     }
 }
 
+/// Largest batch size a relay is started with (each draws one from 10 to this).
+pub(crate) const MAX_RELAY_BATCH: u32 = 80;
+
 /// What a child process is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Role {
@@ -70,6 +73,28 @@ pub(crate) struct Launch {
     pub(crate) outbox_table: String,
     pub(crate) keys: u32,
     pub(crate) producer_pause_ms: (u64, u64),
+    /// How relays retry a row that failed (see [`RelayRetry`]).
+    pub(crate) relay_retry: RelayRetry,
+}
+
+/// The relays' retry settings, passed on their command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RelayRetry {
+    /// `max_attempts`: transient failures before a row is quarantined.
+    pub(crate) max_attempts: u32,
+    /// Backoff of a failed row, first and longest delay, in milliseconds.
+    pub(crate) backoff_ms: (u64, u64),
+    /// librdkafka `message.timeout.ms`; `None`: the framework's default (30 s).
+    pub(crate) message_timeout_ms: Option<u32>,
+}
+
+impl RelayRetry {
+    /// Never quarantines for a broker fault: the CI, cluster and long profiles.
+    pub(crate) const PATIENT: Self = Self {
+        max_attempts: 1_000_000,
+        backoff_ms: (50, 2000),
+        message_timeout_ms: None,
+    };
 }
 
 /// The children of one run.
@@ -137,10 +162,20 @@ impl Fleet {
                 a
             }
             Role::Relay { crash_slot } => {
+                let retry = l.relay_retry;
                 let mut a = vec![
                     "relay".into(),
-                    format!("--batch-size={}", self.rng.random_range(10..=80)),
+                    format!(
+                        "--batch-size={}",
+                        self.rng.random_range(10..=MAX_RELAY_BATCH)
+                    ),
+                    format!("--max-attempts={}", retry.max_attempts),
+                    format!("--backoff-min-ms={}", retry.backoff_ms.0),
+                    format!("--backoff-max-ms={}", retry.backoff_ms.1),
                 ];
+                if let Some(ms) = retry.message_timeout_ms {
+                    a.push(format!("--message-timeout-ms={ms}"));
+                }
                 if self.faults_on && *crash_slot {
                     a.push(format!(
                         "--crash-after-ack-batches={}",
@@ -286,6 +321,27 @@ impl Fleet {
             }
             send_sigterm(child.id());
         }
+    }
+
+    /// What the children are started with; changes apply to the next (re)spawns.
+    pub(crate) fn launch_mut(&mut self) -> &mut Launch {
+        &mut self.launch
+    }
+
+    /// Children whose role matches `filter`, live or not.
+    pub(crate) fn slots_where(&self, filter: impl Fn(&Role) -> bool) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|&i| filter(&self.slots[i].role))
+            .collect()
+    }
+
+    /// Starts a stopped child again and keeps it running (respawned when it exits).
+    pub(crate) fn resume(&mut self, index: usize) -> Result<()> {
+        self.slots[index].keep = true;
+        if self.slots[index].child.is_none() {
+            self.spawn(index)?;
+        }
+        Ok(())
     }
 
     /// Whether the child in `index` has exited (and been reaped).

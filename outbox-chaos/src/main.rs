@@ -35,7 +35,12 @@
 //! outbox-chaos run --profile ci            # ≈2–3 minutes (the test suite runs this)
 //! outbox-chaos run --profile cluster       # ≈3 minutes, three brokers (the test suite too)
 //! outbox-chaos run --profile long --seed 7 # ≈20 minutes (five runs)
+//! outbox-chaos run --profile liveness      # ≈4-5 minutes: the long faults (the test suite too)
 //! ```
+//! The `liveness` profile follows a short fault loop with long faults ([`long_faults`]): the
+//! broker down for minutes, the run's own Postgres stopped, a key stuck behind a row the
+//! broker rejects for good, the topic deleted and re-created, each timed from its end until
+//! everything committed by then has flowed, against a bound.
 //! The broker's jars come from `scripts/services.sh` (`resolve_jars kafka`), found through
 //! `OUTBOX_KAFKA_CLASSPATH_FILE` (default `.services/kafka.classpath` in the repository).
 //! The child roles (`producer`, `relay`, `consumer`) are internal: the orchestrator spawns
@@ -49,7 +54,9 @@ mod db;
 mod faults;
 mod fleet;
 mod kafka;
+mod long_faults;
 mod orchestrator;
+mod pg_server;
 mod poison;
 mod profile;
 mod summary;

@@ -16,6 +16,9 @@ use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::faults::Chaos;
 use crate::fleet::{Fleet, Launch, Role, lock, wait_fleet};
+use crate::kafka::TopicSpec;
+use crate::long_faults::{LongFaultPhase, TOPIC_MAX_MESSAGE_BYTES};
+use crate::pg_server::{LocalPg, StopMode};
 use crate::profile::{Profile, ProfileName};
 use crate::summary::Summary;
 
@@ -26,7 +29,7 @@ const GROUP_B: &str = "chaos-b";
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
     /// `ci` (≈2–3 min, the test suite's), `cluster` (the same on three brokers, partition
-    /// leaders killed) or `long` (≈20 min, five runs).
+    /// leaders killed), `long` (≈20 min, five runs) or `liveness` (≈4–5 min, long faults).
     #[arg(long, value_enum, default_value = "ci")]
     profile: ProfileName,
     /// Seed of every random choice (fault kinds and timing, workload); random if absent.
@@ -67,7 +70,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<bool> {
         // Interrupted, the run is dropped: its broker and children are killed on the way out
         // (children also stop on their own when this process goes away).
         let summary = tokio::select! {
-            summary = run_one(&args, &profile, &tables, run_seed) => summary,
+            summary = run_one(&args, &profile, &tables, run_seed, i == 0) => summary,
             () = interrupted() => Err(anyhow::anyhow!("interrupted")),
         }
         .with_context(|| format!("run {} (seed {run_seed})", i + 1))?;
@@ -95,34 +98,58 @@ async fn interrupted() {
     }
 }
 
+/// `first`: the first run of several (the long-fault phase runs in it only).
 async fn run_one(
     args: &RunArgs,
     profile: &Profile,
     tables: &TableNames,
     seed: u64,
+    first: bool,
 ) -> Result<Summary> {
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..10].to_owned();
     let dir = std::env::temp_dir().join(format!("outbox-chaos-{run_id}"));
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs)?;
+    let long_faults = profile.long_faults.as_ref().filter(|_| first);
+    // A run that stops Postgres gets a server of its own: the shared one serves the rest of
+    // the test suite.
+    let mut own_pg = match long_faults.and_then(|l| l.pg_outage) {
+        Some(_) => Some(LocalPg::start_new(&dir).await?),
+        None => None,
+    };
+    let database_url = own_pg
+        .as_ref()
+        .map_or_else(|| args.database_url.clone(), LocalPg::url);
     let keys: Vec<String> = (0..profile.keys).map(key_name).collect();
-    let db = ChaosDb::create(&args.database_url, tables, &keys).await?;
+    let db = ChaosDb::create(&database_url, tables, &keys).await?;
     let mut broker = Cluster::start(&dir, profile.brokers).await?;
     let brokers = broker.address();
     let topic = format!("chaos.{run_id}");
-    crate::kafka::create_topic(&brokers, &topic, profile.partitions, broker.size()).await?;
+    let max_message_bytes = TOPIC_MAX_MESSAGE_BYTES.to_string();
+    let stuck_key_configs = [("max.message.bytes", max_message_bytes.as_str())];
+    let topic_spec = TopicSpec {
+        partitions: profile.partitions,
+        replication: broker.size(),
+        configs: if long_faults.is_some_and(|l| l.stuck_key) {
+            &stuck_key_configs
+        } else {
+            &[]
+        },
+    };
+    crate::kafka::create_topic(&brokers, &topic, topic_spec, false).await?;
     tracing::info!(database = %db.name, %brokers, %topic, dir = %dir.display(), seed, "run starting");
 
     let launch = Launch {
         exe: std::env::current_exe()?,
         logs,
-        database_url: args.database_url.clone(),
+        database_url,
         database: db.name.clone(),
         brokers: brokers.clone(),
         topic: topic.clone(),
         outbox_table: tables.outbox.as_str().to_owned(),
         keys: profile.keys,
         producer_pause_ms: profile.producer_pause_ms,
+        relay_retry: profile.relay_retry,
     };
     let fleet = Arc::new(Mutex::new(Fleet::new(launch, seed)));
     let producer = start_fleet(&fleet, profile)?;
@@ -132,6 +159,25 @@ async fn run_one(
     Chaos::new(&fleet, &mut broker, &db, profile, &topic, GROUP_A, seed)
         .run()
         .await?;
+    let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
+    let figures = match long_faults {
+        Some(plan) => {
+            LongFaultPhase {
+                fleet: &fleet,
+                broker: &mut broker,
+                db: &db,
+                pg: own_pg.as_mut(),
+                tables,
+                topic: &topic,
+                topic_spec,
+                groups: &groups,
+                plan,
+            }
+            .run()
+            .await?
+        }
+        None => Vec::new(),
+    };
 
     // Drain: no more faults; the producer stops; everything committed must come through.
     {
@@ -142,7 +188,6 @@ async fn run_one(
     wait_fleet(&fleet, Duration::from_secs(30), |f| f.exited(producer)).await?;
     // The last broker fault may have left it starting: the drain's clock starts once it is up.
     broker.wait_ready().await?;
-    let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
     let drained = wait_drained(
         &mut broker,
         &db.pool,
@@ -175,8 +220,13 @@ async fn run_one(
         summary.unexpected_exits = u64::try_from(f.unexpected.len())?;
     }
     summary.drain_timeouts = u64::from(!drained);
+    if let Some(plan) = long_faults {
+        for (kind, took) in figures {
+            summary.record_liveness(kind, took, plan.bound);
+        }
+    }
     broker.stop().await?;
-    finish(summary.passed() && !args.keep, db, &dir).await?;
+    finish(summary.passed() && !args.keep, db, own_pg.as_mut(), &dir).await?;
     Ok(summary)
 }
 
@@ -232,7 +282,9 @@ async fn wait_drained(
     let outbox = &tables.outbox;
     let quarantine = &tables.consumer_quarantine;
     let pending_sql = format!(
-        "SELECT (SELECT count(*) FROM {outbox} WHERE status = 'pending'), (SELECT count(*) FROM {outbox}), \
+        "SELECT (SELECT count(*) FROM {outbox} WHERE status = 'pending'), \
+                (SELECT count(*) FROM {outbox} \
+                 WHERE id NOT IN (SELECT event_id FROM chaos_expected_quarantine)), \
                 (SELECT count(*) FROM chaos_poison)"
     );
     let effects_sql = format!(
@@ -288,13 +340,21 @@ async fn wait_drained(
     }
 }
 
-/// Drops the database and the run directory after a passing run; keeps both otherwise.
-async fn finish(clean: bool, db: ChaosDb, dir: &Path) -> Result<()> {
+/// Drops the database and the run directory after a passing run; keeps both otherwise. The
+/// run's own Postgres server, if any, is stopped either way (a kept one holds the database in
+/// `dir/pg/data`: `pg_ctl -D dir/pg/data start` as `postgres` brings it back).
+async fn finish(clean: bool, db: ChaosDb, own_pg: Option<&mut LocalPg>, dir: &Path) -> Result<()> {
     if clean {
         db.drop_database().await?;
-        std::fs::remove_dir_all(dir)?;
     } else {
-        tracing::warn!(database = %db.name, dir = %dir.display(), "kept for inspection (child logs in dir/logs, the broker's in dir/kafka/broker.log)");
+        tracing::warn!(database = %db.name, dir = %dir.display(), "kept for inspection (child logs in dir/logs, the broker's in dir/kafka/broker.log, the run's own Postgres in dir/pg)");
+        db.pool.close().await;
+    }
+    if let Some(pg) = own_pg {
+        pg.stop(StopMode::Fast).await?;
+    }
+    if clean {
+        std::fs::remove_dir_all(dir)?;
     }
     Ok(())
 }

@@ -110,7 +110,8 @@ pub(crate) async fn inject(
         .await?;
         // Recorded at once: if the broker fails half-way, what was injected is still known.
         sqlx::query(
-            "INSERT INTO chaos_poison (event_id, partition, kafka_offset, expected_reason) VALUES ($1, $2, $3, $4)",
+            "INSERT INTO chaos_poison (event_id, partition, kafka_offset, expected_reason, epoch) \
+             VALUES ($1, $2, $3, $4, (SELECT count(*) FROM chaos_topic_deletions))",
         )
         .bind(id)
         .bind(partition)

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::fleet::RelayRetry;
+
 /// A named set of run parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum ProfileName {
@@ -11,6 +13,32 @@ pub(crate) enum ProfileName {
     Long,
     /// The test suite's, on a 3-broker cluster: partition leaders killed under load.
     Cluster,
+    /// The test suite's too: a short fault phase, then long faults one after another (the
+    /// broker down for minutes, Postgres stopped, a key stuck behind a row the broker
+    /// rejects, the topic deleted and re-created), each timed until everything drained.
+    Liveness,
+}
+
+/// The long-fault phase (`long_faults.rs`): which faults, how long, and the bound on the
+/// seconds from a fault's end until everything committed by then has flowed.
+#[derive(Debug, Clone)]
+pub(crate) struct LongFaults {
+    /// How long the broker stays down (`kill -9`, started again on the same storage).
+    pub(crate) broker_outage: Duration,
+    /// How long the run's own Postgres server stays stopped (`None`: no such fault, and the
+    /// run uses the shared server).
+    pub(crate) pg_outage: Option<Duration>,
+    /// A row the broker rejects for good, with a backlog of its key behind it.
+    pub(crate) stuck_key: bool,
+    /// How long the topic stays deleted before it is created again (`None`: no such fault).
+    pub(crate) topic_absence: Option<Duration>,
+    /// The relays' retry settings while the topic is missing (see `long_faults.rs`).
+    pub(crate) topic_fault_retry: RelayRetry,
+    /// The checked bound on a fault's liveness figure.
+    pub(crate) bound: Duration,
+    /// How long a fault's drain is awaited before the phase goes on (longer than `bound`,
+    /// so that a figure over the bound is still measured).
+    pub(crate) drain_wait: Duration,
 }
 
 /// Run parameters.
@@ -43,6 +71,10 @@ pub(crate) struct Profile {
     pub(crate) poison_rounds: u32,
     /// Bound on draining after the fault phase.
     pub(crate) drain_timeout: Duration,
+    /// The relays' retry settings.
+    pub(crate) relay_retry: RelayRetry,
+    /// The long-fault phase after the fault loop, in the first run only.
+    pub(crate) long_faults: Option<LongFaults>,
 }
 
 impl Profile {
@@ -66,6 +98,8 @@ impl Profile {
                 group_a_members: 3,
                 poison_rounds: 2,
                 drain_timeout: Duration::from_secs(180),
+                relay_retry: RelayRetry::PATIENT,
+                long_faults: None,
             },
             ProfileName::Long => Self {
                 name: "long",
@@ -83,6 +117,8 @@ impl Profile {
                 group_a_members: 4,
                 poison_rounds: 4,
                 drain_timeout: Duration::from_secs(180),
+                relay_retry: RelayRetry::PATIENT,
+                long_faults: None,
             },
             ProfileName::Cluster => Self {
                 name: "cluster",
@@ -91,6 +127,44 @@ impl Profile {
                 // down while one is starting, so most broker picks are skipped.
                 broker_fault_weight: 10,
                 brokers: 3,
+                ..Self::named(ProfileName::Ci)
+            },
+            ProfileName::Liveness => Self {
+                name: "liveness",
+                runs: 1,
+                // A short normal fault phase first (the long faults follow it).
+                fault_phase: Duration::from_secs(30),
+                max_faults: 30,
+                // Slower writers than the CI profile's: a two-minute outage then leaves a
+                // backlog of about 2,000 events, which the debug build's consumers clear
+                // within the bound; at the CI rate the figure would measure their
+                // throughput on 2 cores, not the framework's resuming.
+                producer_pause_ms: (150, 350),
+                poison_rounds: 1,
+                // Rows that fail while a broker answers are quarantined after 5 attempts,
+                // and each delivery times out after 5 s: the broker outage (130 s) is over
+                // five times max_attempts x message.timeout.ms.
+                relay_retry: RelayRetry {
+                    max_attempts: 5,
+                    backoff_ms: (50, 2000),
+                    message_timeout_ms: Some(5000),
+                },
+                long_faults: Some(LongFaults {
+                    broker_outage: Duration::from_secs(130),
+                    pg_outage: Some(Duration::from_secs(25)),
+                    stuck_key: true,
+                    topic_absence: Some(Duration::from_secs(12)),
+                    // While the topic is missing, every row of it fails with the broker's
+                    // answer and is charged an attempt: 20 attempts 0.5-5 s apart (at
+                    // least about 40 s of backoff) outlast the 12 s absence.
+                    topic_fault_retry: RelayRetry {
+                        max_attempts: 20,
+                        backoff_ms: (500, 5000),
+                        message_timeout_ms: Some(5000),
+                    },
+                    bound: Duration::from_secs(60),
+                    drain_wait: Duration::from_secs(150),
+                }),
                 ..Self::named(ProfileName::Ci)
             },
         }

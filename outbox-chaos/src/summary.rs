@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::time::Duration;
 
 /// A kind of fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -28,10 +29,19 @@ pub(crate) enum Kind {
     PgTerminate,
     /// A group member joining or leaving while messages are in flight.
     Rebalance,
+    /// The long-fault phase: the broker down for minutes (`kill -9`, then started again).
+    BrokerOutage,
+    /// The long-fault phase: the run's own Postgres server stopped (`pg_ctl stop -m
+    /// immediate`) for tens of seconds, then started again on the same data directory.
+    PgStop,
+    /// The long-fault phase: a row the broker rejects for good, its key's backlog behind it.
+    StuckKey,
+    /// The long-fault phase: the topic deleted and, a little later, created again.
+    TopicRecreate,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 11] = [
+    pub(crate) const ALL: [Self; 15] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -43,6 +53,18 @@ impl Kind {
         Self::BrokerKill,
         Self::PgTerminate,
         Self::Rebalance,
+        Self::BrokerOutage,
+        Self::PgStop,
+        Self::StuckKey,
+        Self::TopicRecreate,
+    ];
+
+    /// The long faults, whose liveness figures the summary reports.
+    pub(crate) const LONG: [Self; 4] = [
+        Self::BrokerOutage,
+        Self::PgStop,
+        Self::StuckKey,
+        Self::TopicRecreate,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -58,12 +80,19 @@ impl Kind {
             Self::BrokerKill => "broker_kill9",
             Self::PgTerminate => "pg_terminate",
             Self::Rebalance => "rebalance",
+            Self::BrokerOutage => "broker_outage",
+            Self::PgStop => "pg_stop",
+            Self::StuckKey => "stuck_key",
+            Self::TopicRecreate => "topic_recreate",
         }
     }
 
-    /// Whether a process died (or the broker went down): a kill cycle.
+    /// Whether a process died (or the broker or Postgres went down): a kill cycle.
     pub(crate) fn is_kill(self) -> bool {
-        !matches!(self, Self::PgTerminate | Self::Rebalance)
+        !matches!(
+            self,
+            Self::PgTerminate | Self::Rebalance | Self::StuckKey | Self::TopicRecreate
+        )
     }
 }
 
@@ -108,6 +137,15 @@ pub(crate) struct Summary {
     pub(crate) effects: u64,
     pub(crate) poison_injected: u64,
     pub(crate) poison_quarantined: u64,
+    /// Outbox rows the run made fail for good on purpose, and how many of them the relays
+    /// quarantined with the expected reason.
+    pub(crate) expected_quarantine_planned: u64,
+    pub(crate) expected_quarantined: u64,
+    /// Worst liveness figure per long fault: from the fault's end until every event
+    /// committed by then had flowed (published, and applied by every group).
+    pub(crate) liveness: BTreeMap<Kind, Duration>,
+    /// The bound the figures are checked against (`None`: no long-fault phase).
+    pub(crate) liveness_bound: Option<Duration>,
     // Violations:
     pub(crate) lost: u64,
     pub(crate) double_effects: u64,
@@ -120,11 +158,15 @@ pub(crate) struct Summary {
     pub(crate) unexpected_quarantines: u64,
     pub(crate) unexpected_exits: u64,
     pub(crate) drain_timeouts: u64,
+    /// Long faults whose liveness figure exceeded the bound (or that never drained).
+    pub(crate) liveness_exceeded: u64,
+    /// Planned failing rows not quarantined, or quarantined with another reason.
+    pub(crate) expected_quarantine_failures: u64,
 }
 
 impl Summary {
     /// The invariants, by their names in the summary line: each must be zero.
-    fn violations(&self) -> [(&'static str, u64); 11] {
+    fn violations(&self) -> [(&'static str, u64); 13] {
         [
             ("lost", self.lost),
             ("double_effects", self.double_effects),
@@ -137,7 +179,27 @@ impl Summary {
             ("unexpected_quarantines", self.unexpected_quarantines),
             ("unexpected_exits", self.unexpected_exits),
             ("drain_timeouts", self.drain_timeouts),
+            ("liveness_exceeded", self.liveness_exceeded),
+            (
+                "expected_quarantine_failures",
+                self.expected_quarantine_failures,
+            ),
         ]
+    }
+
+    /// Records one long fault's liveness figure, checked against `bound`.
+    pub(crate) fn record_liveness(&mut self, kind: Kind, took: Duration, bound: Duration) {
+        let worst = self.liveness.entry(kind).or_default();
+        *worst = (*worst).max(took);
+        self.liveness_bound = Some(bound);
+        if took > bound {
+            self.liveness_exceeded += 1;
+        }
+    }
+
+    /// The worst liveness figure of any long fault.
+    pub(crate) fn liveness_worst(&self) -> Duration {
+        self.liveness.values().copied().max().unwrap_or_default()
     }
 
     /// Whether every invariant held.
@@ -167,9 +229,24 @@ impl Summary {
             (&mut self.unexpected_quarantines, o.unexpected_quarantines),
             (&mut self.unexpected_exits, o.unexpected_exits),
             (&mut self.drain_timeouts, o.drain_timeouts),
+            (&mut self.liveness_exceeded, o.liveness_exceeded),
+            (
+                &mut self.expected_quarantine_planned,
+                o.expected_quarantine_planned,
+            ),
+            (&mut self.expected_quarantined, o.expected_quarantined),
+            (
+                &mut self.expected_quarantine_failures,
+                o.expected_quarantine_failures,
+            ),
         ] {
             *mine += theirs;
         }
+        for (kind, took) in &o.liveness {
+            let worst = self.liveness.entry(*kind).or_default();
+            *worst = (*worst).max(*took);
+        }
+        self.liveness_bound = self.liveness_bound.or(o.liveness_bound);
     }
 
     /// The summary line: `chaos: key=value ...`, one line, stable keys.
@@ -195,6 +272,26 @@ impl Summary {
             self.poison_quarantined,
             self.poison_injected,
         );
+        // Liveness: the worst figure, the bound it is checked against, and each long fault's.
+        let _ = write!(
+            s,
+            " liveness_worst_s={:.1} liveness_bound_s={}",
+            self.liveness_worst().as_secs_f64(),
+            self.liveness_bound
+                .map_or_else(|| "-".to_owned(), |b| b.as_secs().to_string()),
+        );
+        for kind in Kind::LONG {
+            let figure = self
+                .liveness
+                .get(&kind)
+                .map_or_else(|| "-".to_owned(), |d| format!("{:.1}", d.as_secs_f64()));
+            let _ = write!(s, " liveness_{}_s={figure}", kind.name());
+        }
+        let _ = write!(
+            s,
+            " expected_quarantined={}/{}",
+            self.expected_quarantined, self.expected_quarantine_planned
+        );
         for (name, n) in self.violations() {
             let _ = write!(s, " {name}={n}");
         }
@@ -216,7 +313,14 @@ mod tests {
         let line = clean.line("ci", 1, 10);
         assert!(line.starts_with("chaos: result=PASS "), "{line}");
         assert!(
-            line.ends_with(" unexpected_exits=0 drain_timeouts=0"),
+            line.ends_with(
+                " unexpected_exits=0 drain_timeouts=0 liveness_exceeded=0 \
+                 expected_quarantine_failures=0"
+            ),
+            "{line}"
+        );
+        assert!(
+            line.contains(" liveness_worst_s=0.0 liveness_bound_s=- "),
             "{line}"
         );
         for (name, _) in clean.violations() {
@@ -233,6 +337,8 @@ mod tests {
                 unexpected_quarantines: u64::from(name == "unexpected_quarantines"),
                 unexpected_exits: u64::from(name == "unexpected_exits"),
                 drain_timeouts: u64::from(name == "drain_timeouts"),
+                liveness_exceeded: u64::from(name == "liveness_exceeded"),
+                expected_quarantine_failures: u64::from(name == "expected_quarantine_failures"),
                 ..Summary::default()
             });
             assert!(!broken.passed(), "{name}");
@@ -255,5 +361,36 @@ mod tests {
         let line = summary.line("ci", 1, 10);
         assert!(line.contains(" kill_cycles=5 "), "{line}");
         assert!(line.contains(" broker_restart=2 broker_kill9=3 "), "{line}");
+    }
+
+    #[test]
+    fn a_liveness_figure_over_the_bound_fails_the_run() {
+        let bound = Duration::from_secs(60);
+        let mut summary = Summary {
+            runs: 1,
+            ..Summary::default()
+        };
+        summary.record_liveness(Kind::BrokerOutage, Duration::from_millis(4_240), bound);
+        summary.record_liveness(Kind::PgStop, Duration::from_millis(21_040), bound);
+        assert!(summary.passed());
+        let line = summary.line("liveness", 7, 300);
+        assert!(
+            line.contains(
+                " liveness_worst_s=21.0 liveness_bound_s=60 liveness_broker_outage_s=4.2 \
+                 liveness_pg_stop_s=21.0 liveness_stuck_key_s=- liveness_topic_recreate_s=- "
+            ),
+            "{line}"
+        );
+        let mut other = Summary {
+            runs: 1,
+            ..Summary::default()
+        };
+        other.record_liveness(Kind::BrokerOutage, Duration::from_secs(61), bound);
+        summary.merge(&other);
+        assert!(!summary.passed());
+        let line = summary.line("liveness", 7, 300);
+        assert!(line.contains(" liveness_worst_s=61.0 "), "{line}");
+        assert!(line.contains(" liveness_broker_outage_s=61.0 "), "{line}");
+        assert!(line.contains(" liveness_exceeded=1"), "{line}");
     }
 }

@@ -1,9 +1,12 @@
-//! Runs the chaos harness's CI and cluster profiles as real processes against the real
+//! Runs the chaos harness's CI, cluster and liveness profiles as real processes against the real
 //! Postgres and their own Apache Kafka nodes, and holds them to the issues' figures: each run
 //! passes, with at least 50 kill cycles, both kinds of broker fault (clean restart and
 //! `kill -9`), nothing lost, no double effect and no order violation. In the cluster profile
 //! (three brokers, replication factor 3, `min.insync.replicas` 2) every broker fault takes
-//! down the leader of a partition while the relays publish with `acks=all`.
+//! down the leader of a partition while the relays publish with `acks=all`. The liveness
+//! profile (a short fault phase, then the broker down for over two minutes, Postgres stopped,
+//! a key stuck behind a row the broker rejects, the topic deleted and re-created) must drain
+//! within its bound after every one of those faults, quarantining only the row made to fail.
 //!
 //! The harness isolates itself from the rest of the suite (which shares the broker on port
 //! 9092 and the `outbox_test` database): it starts its own Kafka node on free ports and creates
@@ -14,7 +17,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::Mutex;
 
-/// The two runs take turns: each alone keeps 2 cores busy (several child processes and one
+/// The runs take turns: each alone keeps 2 cores busy (several child processes and one
 /// or three JVMs), and two at once would measure the machine rather than the framework.
 static ONE_RUN_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -52,9 +55,9 @@ fn number(fields: &BTreeMap<String, String>, key: &str) -> u64 {
         .unwrap_or_else(|_| panic!("summary `{key}` is not a number: {value}"))
 }
 
-/// Runs the harness with `profile` (seed 1), checks what every profile must hold, and returns
-/// the summary's fields.
-fn run_harness(profile: &str) -> BTreeMap<String, String> {
+/// Runs the harness with `profile` (seed 1), checks that it passed with nothing lost, doubled
+/// or reordered, and returns the summary's fields.
+fn run_profile(profile: &str) -> BTreeMap<String, String> {
     let _turn = ONE_RUN_AT_A_TIME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -81,6 +84,14 @@ fn run_harness(profile: &str) -> BTreeMap<String, String> {
     for zero in ["lost", "double_effects", "order_violations"] {
         assert_eq!(number(&fields, zero), 0, "{zero} must be 0: {fields:?}");
     }
+    assert!(number(&fields, "events_committed") > 0);
+    fields
+}
+
+/// Runs the harness with `profile` (seed 1), checks what every fault-loop profile must hold,
+/// and returns the summary's fields.
+fn run_harness(profile: &str) -> BTreeMap<String, String> {
+    let fields = run_profile(profile);
     let kills = number(&fields, "kill_cycles");
     assert!(kills >= 50, "only {kills} kill cycles: {fields:?}");
     for broker_fault in ["broker_restart", "broker_kill9"] {
@@ -89,8 +100,16 @@ fn run_harness(profile: &str) -> BTreeMap<String, String> {
             "no {broker_fault} in the run: {fields:?}"
         );
     }
-    assert!(number(&fields, "events_committed") > 0);
     fields
+}
+
+fn seconds(fields: &BTreeMap<String, String>, key: &str) -> f64 {
+    let value = fields
+        .get(key)
+        .unwrap_or_else(|| panic!("summary has no `{key}`: {fields:?}"));
+    value
+        .parse()
+        .unwrap_or_else(|_| panic!("summary `{key}` is not a number of seconds: {value}"))
 }
 
 #[test]
@@ -107,5 +126,35 @@ fn cluster_profile_keeps_every_guarantee_when_partition_leaders_die() {
     assert!(
         leader_faults >= 3,
         "only {leader_faults} partition leaders taken down: {fields:?}"
+    );
+}
+
+#[test]
+fn liveness_profile_drains_within_the_bound_after_each_long_fault() {
+    let fields = run_profile("liveness");
+    assert_eq!(fields.get("profile").map(String::as_str), Some("liveness"));
+    for fault in ["broker_outage", "pg_stop", "stuck_key", "topic_recreate"] {
+        assert_eq!(
+            number(&fields, fault),
+            1,
+            "no {fault} in the run: {fields:?}"
+        );
+        // Every long fault has its own figure.
+        seconds(&fields, &format!("liveness_{fault}_s"));
+    }
+    let worst = seconds(&fields, "liveness_worst_s");
+    let bound = seconds(&fields, "liveness_bound_s");
+    assert!(
+        worst <= bound,
+        "liveness {worst} s over the bound {bound} s: {fields:?}"
+    );
+    assert_eq!(number(&fields, "liveness_exceeded"), 0);
+    // A broker outage far longer than max_attempts x message.timeout.ms quarantines nothing;
+    // the one row made to fail for good is quarantined with its reason.
+    assert_eq!(number(&fields, "outbox_quarantined"), 0, "{fields:?}");
+    assert_eq!(
+        fields.get("expected_quarantined").map(String::as_str),
+        Some("1/1"),
+        "{fields:?}"
     );
 }

@@ -14,7 +14,7 @@ use outbox_core::{EventId, NewEvent};
 use outbox_producer::Outbox;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -136,28 +136,8 @@ async fn transaction(
     .await?;
     let mut tx = pool.begin().await?;
     for (id, key) in ids.iter().zip(&keys) {
-        let version: i64 = sqlx::query_scalar(
-            "UPDATE chaos_state SET version = version + 1 WHERE key = $1 RETURNING version",
-        )
-        .bind(key)
-        .fetch_one(&mut *tx)
-        .await?;
-        sqlx::query("INSERT INTO chaos_state_log (event_id, key, version) VALUES ($1, $2, $3)")
-            .bind(id)
-            .bind(key)
-            .bind(version)
-            .execute(&mut *tx)
-            .await?;
         let pad = "x".repeat(rng.random_range(0..200));
-        let payload = ChaosPayload {
-            key: key.clone(),
-            version,
-            pad,
-        };
-        let event = NewEvent::new(AGGREGATE_TYPE, key.as_str(), EVENT_TYPE, &payload)?
-            .with_id(EventId::from_uuid(*id))
-            .with_topic(args.common.topic.as_str())?;
-        outbox.enqueue(&mut tx, &event).await?;
+        write_event(&mut tx, outbox, &args.common.topic, *id, key, pad).await?;
     }
     if crash_point == Some(CrashPoint::BeforeCommit) {
         crash(EXIT_PRODUCER_BEFORE_COMMIT, "producer: transaction open");
@@ -171,4 +151,40 @@ async fn transaction(
         crash(EXIT_PRODUCER_AFTER_COMMIT, "producer: just committed");
     }
     Ok(())
+}
+
+/// One state change and its event, on `conn`'s transaction: the key's version goes up by one,
+/// the change is logged, and the event (carrying the new version and `pad`) is enqueued.
+/// The id must have been recorded in `chaos_attempts` before the transaction began. The
+/// orchestrator writes through this too (the long-fault phase's stuck key).
+pub(crate) async fn write_event(
+    conn: &mut PgConnection,
+    outbox: &Outbox,
+    topic: &str,
+    id: Uuid,
+    key: &str,
+    pad: String,
+) -> Result<i64> {
+    let version: i64 = sqlx::query_scalar(
+        "UPDATE chaos_state SET version = version + 1 WHERE key = $1 RETURNING version",
+    )
+    .bind(key)
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::query("INSERT INTO chaos_state_log (event_id, key, version) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(key)
+        .bind(version)
+        .execute(&mut *conn)
+        .await?;
+    let payload = ChaosPayload {
+        key: key.to_owned(),
+        version,
+        pad,
+    };
+    let event = NewEvent::new(AGGREGATE_TYPE, key, EVENT_TYPE, &payload)?
+        .with_id(EventId::from_uuid(id))
+        .with_topic(topic)?;
+    outbox.enqueue(conn, &event).await?;
+    Ok(version)
 }

@@ -21,19 +21,38 @@ pub(crate) struct Args {
     /// Crash after Kafka acknowledges the batch that follows this many non-empty batches.
     #[arg(long)]
     pub(crate) crash_after_ack_batches: Option<u32>,
+    /// Attempts before a row with transient failures is quarantined. The default is so high
+    /// that no row is ever quarantined for a broker fault; the `liveness` profile uses a few,
+    /// so that an outage charged to rows would show as quarantined rows.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) max_attempts: u32,
+    /// First retry delay of a failed row, in milliseconds (doubled per attempt).
+    #[arg(long, default_value_t = 50)]
+    pub(crate) backoff_min_ms: u64,
+    /// Longest retry delay of a failed row, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub(crate) backoff_max_ms: u64,
+    /// librdkafka `message.timeout.ms` (default: the framework's `producer_config`, 30 s).
+    #[arg(long)]
+    pub(crate) message_timeout_ms: Option<u32>,
 }
 
 pub(crate) async fn run(args: Args) -> Result<()> {
     let pool = args.common.pool(3)?;
     let mut kafka = producer_config(&args.common.brokers);
     kafka.set("client.id", &args.common.label);
+    if let Some(ms) = args.message_timeout_ms {
+        kafka.set("message.timeout.ms", ms.to_string());
+    }
     let config = RelayConfig::default()
         .tables(args.common.tables()?)
         .batch_size(args.batch_size)
         .poll_interval(POLL)
-        // Broker restarts are transient: no committed row may be quarantined for them.
-        .max_attempts(1_000_000)
-        .backoff(Duration::from_millis(50), Duration::from_secs(2))
+        .max_attempts(args.max_attempts)
+        .backoff(
+            Duration::from_millis(args.backoff_min_ms),
+            Duration::from_millis(args.backoff_max_ms),
+        )
         .shutdown_timeout(Duration::from_secs(5));
     let relay = Relay::new(pool, &kafka, config)?;
     let shutdown = super::shutdown_token();

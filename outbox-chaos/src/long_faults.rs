@@ -1,0 +1,476 @@
+//! The long-fault phase: after the fault loop, with the producer writing throughout, long
+//! faults one after another, each injected, held, ended, and then timed: its **liveness
+//! figure** is the time from the fault's end until everything committed by then has flowed —
+//! no row of it pending, every group holding the effect of every one of its events (rows
+//! quarantined are left out of the wait; the checker counts the unexpected ones).
+//!
+//! * **Broker outage**: the broker is killed (`kill -9`) and stays down for minutes, far
+//!   longer than the relays' `max_attempts` × `message.timeout.ms`; then started again on the
+//!   same storage. The fault ends when the broker serves Metadata again (its own start, 15-18 s
+//!   after a crash, is Kafka's and not counted). Nothing may be quarantined for it.
+//! * **Postgres stopped**: the run's own server is stopped (`pg_ctl stop -m immediate`) for
+//!   tens of seconds and started again on the same data directory; the fault ends when it
+//!   accepts connections.
+//! * **Stuck key**: a row of one key whose payload is over the topic's `max.message.bytes`
+//!   (the broker rejects it for good), then a backlog of 3 × the largest relay batch of the
+//!   same key, while the producer goes on with the other keys. The row must be quarantined
+//!   (`Permanent ... MessageSizeTooLarge`); under the relays' `SkipQuarantined` policy the
+//!   backlog flows after it. Timed from the failing row's commit, for the other keys and for
+//!   everything.
+//! * **Topic deleted and re-created**: deleting a topic drops what it holds, which is the
+//!   operator's data loss, not the framework's. So the relays stop first (gracefully) and both
+//!   groups consume everything published, then the consumers stop; the topic's events are
+//!   recorded as verified by their effects (the checker cannot read them back any more); the
+//!   topic is deleted; the relays start again while the producer keeps writing (every row of
+//!   the topic now fails — its delivery times out while the broker answers Metadata — and is
+//!   charged an attempt, under the fault's own retry settings, whose budget outlasts the
+//!   absence); after the absence the topic is created again with the same partitions and the
+//!   consumers start again (librdkafka does not follow a re-created topic, see below). The
+//!   fault ends there.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use outbox_core::TableNames;
+use outbox_producer::Outbox;
+use sqlx::{AssertSqlSafe, PgPool};
+use uuid::Uuid;
+
+use crate::broker::Down;
+use crate::children::producer::write_event;
+use crate::cluster::Cluster;
+use crate::db::ChaosDb;
+use crate::fleet::{Fleet, MAX_RELAY_BATCH, Role, lock, wait_fleet};
+use crate::kafka::TopicSpec;
+use crate::pg_server::{LocalPg, StopMode};
+use crate::profile::LongFaults;
+use crate::summary::Kind;
+
+/// The key the stuck-key fault writes (the producer's keys are `k000`, `k001`, ...).
+pub(crate) const STUCK_KEY: &str = "kstuck";
+
+/// The key of the marker event the harness commits as soon as a fault has ended: the
+/// figure waits for it too, so it measures that the pipeline moves again, not only that
+/// what was committed before the fault had already gone through.
+const MARKER_KEY: &str = "kmarker";
+
+/// The topic's `max.message.bytes` in runs with the stuck-key fault: far above every good
+/// event (under 1 KiB) and the malformed `too_large` record (20 KiB).
+pub(crate) const TOPIC_MAX_MESSAGE_BYTES: usize = 64 * 1024;
+
+/// What the long-fault phase works on.
+#[derive(Debug)]
+pub(crate) struct LongFaultPhase<'a> {
+    pub(crate) fleet: &'a Mutex<Fleet>,
+    pub(crate) broker: &'a mut Cluster,
+    pub(crate) db: &'a ChaosDb,
+    pub(crate) pg: Option<&'a mut LocalPg>,
+    pub(crate) tables: &'a TableNames,
+    pub(crate) topic: &'a str,
+    pub(crate) topic_spec: TopicSpec<'a>,
+    pub(crate) groups: &'a [String],
+    pub(crate) plan: &'a LongFaults,
+}
+
+/// One fault's liveness figure.
+pub(crate) type Figure = (Kind, Duration);
+
+impl LongFaultPhase<'_> {
+    /// Runs the planned long faults in turn; returns each one's liveness figure.
+    pub(crate) async fn run(&mut self) -> Result<Vec<Figure>> {
+        lock(self.fleet).faults_on = false;
+        for key in [STUCK_KEY, MARKER_KEY] {
+            sqlx::query("INSERT INTO chaos_state (key) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(key)
+                .execute(&self.db.pool)
+                .await?;
+        }
+        // The fault loop's backlog first, so that each figure is its own fault's.
+        let began = Instant::now();
+        let watermark = self.mark().await?;
+        let settled = self.time_drain(watermark, None, began).await?;
+        tracing::info!(took = ?settled, "long-fault phase: the fault loop's backlog drained");
+        let mut figures = Vec::new();
+        figures.push((Kind::BrokerOutage, self.broker_outage().await?));
+        if let Some(outage) = self.plan.pg_outage {
+            figures.push((Kind::PgStop, self.pg_stop(outage).await?));
+        }
+        if self.plan.stuck_key {
+            figures.push((Kind::StuckKey, self.stuck_key().await?));
+        }
+        if let Some(absence) = self.plan.topic_absence {
+            figures.push((Kind::TopicRecreate, self.topic_recreate(absence).await?));
+        }
+        for (kind, took) in &figures {
+            tracing::info!(
+                fault = kind.name(),
+                seconds = took.as_secs_f64(),
+                "liveness"
+            );
+        }
+        Ok(figures)
+    }
+
+    async fn broker_outage(&mut self) -> Result<Duration> {
+        let outage = self.plan.broker_outage;
+        let node = self
+            .broker
+            .restart_leader(self.topic, 0, Down::Kill9, outage)
+            .await?;
+        lock(self.fleet).counts.add(Kind::BrokerOutage, 1);
+        tracing::info!(node, ?outage, "long fault: broker killed, stays down");
+        // The take-down and the downtime run in the background; this starts the broker after
+        // them and returns once it serves.
+        self.broker.wait_ready().await?;
+        let back = Instant::now();
+        tracing::info!(
+            quarantined = self.quarantined().await?,
+            "long fault: broker serves again"
+        );
+        let watermark = self.mark().await?;
+        let took = self.time_drain(watermark, None, back).await?;
+        tracing::info!(
+            quarantined = self.quarantined().await?,
+            "after the broker outage"
+        );
+        Ok(took)
+    }
+
+    async fn pg_stop(&mut self, outage: Duration) -> Result<Duration> {
+        let Some(pg) = self.pg.as_deref_mut() else {
+            bail!("a Postgres fault needs the run's own server");
+        };
+        pg.stop(StopMode::Immediate).await?;
+        lock(self.fleet).counts.add(Kind::PgStop, 1);
+        tracing::info!(?outage, "long fault: Postgres stopped (immediate)");
+        tokio::time::sleep(outage).await;
+        pg.start().await?;
+        let back = Instant::now();
+        tracing::info!("long fault: Postgres accepts connections again");
+        let watermark = self.mark().await?;
+        self.time_drain(watermark, None, back).await
+    }
+
+    async fn stuck_key(&mut self) -> Result<Duration> {
+        let pool = &self.db.pool;
+        let outbox = Outbox::new(self.tables);
+        // The failing row: its payload is over the topic's limit, not the client's
+        // (`message.max.bytes`, 1 MB), so it is the broker that refuses it.
+        let big = Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO chaos_expected_quarantine (event_id, reason_contains) VALUES ($1, $2)",
+        )
+        .bind(big)
+        .bind("MessageSizeTooLarge")
+        .execute(pool)
+        .await?;
+        write_batch(
+            pool,
+            &outbox,
+            self.topic,
+            STUCK_KEY,
+            &[big],
+            "s".repeat(2 * TOPIC_MAX_MESSAGE_BYTES),
+        )
+        .await?;
+        let since = Instant::now();
+        lock(self.fleet).counts.add(Kind::StuckKey, 1);
+        // The backlog behind it: 3 x the largest batch a relay runs with.
+        let backlog = 3 * MAX_RELAY_BATCH as usize;
+        for chunk in 0..backlog.div_ceil(40) {
+            let n = 40.min(backlog - chunk * 40);
+            let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+            write_batch(pool, &outbox, self.topic, STUCK_KEY, &ids, String::new()).await?;
+        }
+        tracing::info!(
+            key = STUCK_KEY,
+            backlog,
+            "long fault: a row the broker rejects for good, its key's backlog behind it"
+        );
+        let watermark = self.mark().await?;
+        let others = self.time_drain(watermark, Some(STUCK_KEY), since).await?;
+        tracing::info!(took = ?others, "stuck key: the other keys flowed");
+        let all = self.time_drain(watermark, None, since).await?;
+        let status: Option<(String, Option<String>)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, last_error FROM {} WHERE id = $1",
+            self.tables.outbox
+        )))
+        .bind(big)
+        .fetch_optional(pool)
+        .await?;
+        tracing::info!(?status, took = ?all, "stuck key: its backlog flowed after the failing row");
+        Ok(all)
+    }
+
+    async fn topic_recreate(&mut self, absence: Duration) -> Result<Duration> {
+        let relays = lock(self.fleet).slots_where(|r| matches!(r, Role::Relay { .. }));
+        {
+            let mut fleet = lock(self.fleet);
+            for &i in &relays {
+                fleet.stop(i, false);
+            }
+        }
+        if !wait_fleet(self.fleet, Duration::from_secs(30), |f| {
+            relays.iter().all(|&i| f.exited(i))
+        })
+        .await?
+        {
+            bail!("the relays did not stop within 30 s");
+        }
+        // Quiesced: everything published was applied by every group, and every malformed
+        // record quarantined by every group, before the topic and what it holds go.
+        let began = Instant::now();
+        while !self.consumed_everything_published().await? {
+            if began.elapsed() >= self.plan.drain_wait {
+                bail!("the groups did not consume the topic before its deletion");
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // The consumers stop too, and start again once the topic is back: librdkafka (2.12)
+        // does not follow a subscribed topic that is deleted and created again. In the first
+        // run of this fault the groups stood still from the re-creation to the end of the
+        // run, 6 minutes later (confluentinc/librdkafka#3255, and "Yes, this is a bug" in
+        // confluentinc/confluent-kafka-javascript#274). Restarting them is the operator's
+        // step of the procedure, as stopping the relays is.
+        let consumers = lock(self.fleet).live(|r| matches!(r, Role::Consumer { .. }));
+        {
+            let mut fleet = lock(self.fleet);
+            for &i in &consumers {
+                fleet.stop(i, false);
+            }
+        }
+        if !wait_fleet(self.fleet, Duration::from_secs(30), |f| {
+            consumers.iter().all(|&i| f.exited(i))
+        })
+        .await?
+        {
+            bail!("the consumers did not stop within 30 s");
+        }
+        let pool = &self.db.pool;
+        let mut tx = pool.begin().await?;
+        let epoch: i32 = sqlx::query_scalar(
+            "INSERT INTO chaos_topic_deletions (epoch) \
+             SELECT count(*) + 1 FROM chaos_topic_deletions RETURNING epoch",
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        let recorded = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO chaos_deleted_with_topic (event_id, epoch) \
+             SELECT id, $1 FROM {} WHERE status = 'published' ON CONFLICT DO NOTHING",
+            self.tables.outbox
+        )))
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        let brokers = self.broker.address();
+        crate::kafka::delete_topic(&brokers, self.topic).await?;
+        lock(self.fleet).counts.add(Kind::TopicRecreate, 1);
+        tracing::info!(
+            epoch,
+            events = recorded,
+            ?absence,
+            "long fault: topic deleted (its events verified by their effects from now on)"
+        );
+        {
+            let mut fleet = lock(self.fleet);
+            fleet.launch_mut().relay_retry = self.plan.topic_fault_retry;
+            for &i in &relays {
+                fleet.resume(i)?;
+            }
+        }
+        tokio::time::sleep(absence).await;
+        crate::kafka::create_topic(&brokers, self.topic, self.topic_spec, true).await?;
+        let back = Instant::now();
+        {
+            let mut fleet = lock(self.fleet);
+            for &i in &consumers {
+                fleet.resume(i)?;
+            }
+        }
+        tracing::info!(
+            quarantined = self.quarantined().await?,
+            "long fault: topic created again"
+        );
+        let watermark = self.mark().await?;
+        self.time_drain(watermark, None, back).await
+    }
+
+    /// Whether every published row has an effect in every group and every malformed record
+    /// was quarantined by every group.
+    async fn consumed_everything_published(&self) -> Result<bool> {
+        let outbox = &self.tables.outbox;
+        let quarantine = &self.tables.consumer_quarantine;
+        for group in self.groups {
+            let (published, applied, poison, quarantined): (i64, i64, i64, i64) =
+                sqlx::query_as(AssertSqlSafe(format!(
+                    "SELECT (SELECT count(*) FROM {outbox} WHERE status = 'published'), \
+                            (SELECT count(DISTINCT e.event_id) FROM chaos_effects e \
+                               JOIN {outbox} o ON o.id = e.event_id \
+                             WHERE e.consumer = $1 AND o.status = 'published'), \
+                            (SELECT count(*) FROM chaos_poison), \
+                            (SELECT count(*) FROM {quarantine} q JOIN chaos_poison p \
+                               ON q.partition = p.partition AND q.\"offset\" = p.kafka_offset \
+                             WHERE q.consumer = $1 AND q.topic = $2)"
+                )))
+                .bind(group)
+                .bind(self.topic)
+                .fetch_one(&self.db.pool)
+                .await?;
+            if applied < published || quarantined < poison {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Commits a marker event (retried while the database is not back yet) and returns its
+    /// `seq`: the watermark a figure waits for.
+    async fn mark(&self) -> Result<i64> {
+        let outbox = Outbox::new(self.tables);
+        let seq_of = format!("SELECT seq FROM {} WHERE id = $1", self.tables.outbox);
+        let began = Instant::now();
+        loop {
+            let id = Uuid::new_v4();
+            let attempt = async {
+                write_batch(
+                    &self.db.pool,
+                    &outbox,
+                    self.topic,
+                    MARKER_KEY,
+                    &[id],
+                    String::new(),
+                )
+                .await?;
+                let seq: i64 = sqlx::query_scalar(AssertSqlSafe(seq_of.clone()))
+                    .bind(id)
+                    .fetch_one(&self.db.pool)
+                    .await?;
+                Ok::<_, anyhow::Error>(seq)
+            };
+            match attempt.await {
+                Ok(seq) => return Ok(seq),
+                Err(error) if began.elapsed() < Duration::from_secs(60) => {
+                    tracing::warn!(%error, "writing the marker event failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(error) => return Err(error).context("writing the marker event"),
+            }
+        }
+    }
+
+    /// Outbox rows quarantined so far.
+    async fn quarantined(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE status = 'quarantined'",
+            self.tables.outbox
+        )))
+        .fetch_one(&self.db.pool)
+        .await?)
+    }
+
+    /// Waits until every row up to `watermark` (but those of `except_key`, and quarantined
+    /// ones) is published and applied by every group; returns the time since `since`. Gives
+    /// up after the plan's `drain_wait` and returns the time so far (over the bound).
+    async fn time_drain(
+        &mut self,
+        watermark: i64,
+        except_key: Option<&str>,
+        since: Instant,
+    ) -> Result<Duration> {
+        let outbox = &self.tables.outbox;
+        let sql = format!(
+            "WITH due AS (SELECT id, status FROM {outbox} \
+                          WHERE seq <= $1 AND status <> 'quarantined' AND aggregateid <> $2) \
+             SELECT (SELECT count(*) FROM due WHERE status = 'pending'), \
+                    (SELECT count(*) FROM due), \
+                    (SELECT count(DISTINCT e.event_id) FROM chaos_effects e \
+                       JOIN due ON due.id = e.event_id WHERE e.consumer = $3)"
+        );
+        let except = except_key.unwrap_or("");
+        let started = Instant::now();
+        let mut last_log = started;
+        // When no row up to the watermark was pending any more: the relays' part.
+        let mut published: Option<Duration> = None;
+        loop {
+            self.broker.check_alive().await?;
+            let mut behind = Vec::new();
+            let mut pending = 0;
+            let mut failed = None;
+            for group in self.groups {
+                let row: Result<(i64, i64, i64), sqlx::Error> =
+                    sqlx::query_as(AssertSqlSafe(sql.clone()))
+                        .bind(watermark)
+                        .bind(except)
+                        .bind(group)
+                        .fetch_one(&self.db.pool)
+                        .await;
+                match row {
+                    Ok((p, due, applied)) => {
+                        pending = p;
+                        if applied < due {
+                            behind.push(format!("{group}: {applied}/{due}"));
+                        }
+                    }
+                    Err(error) => failed = Some(error),
+                }
+            }
+            if failed.is_none() && pending == 0 && published.is_none() {
+                published = Some(since.elapsed());
+            }
+            match failed {
+                None if pending == 0 && behind.is_empty() => {
+                    let applied = since.elapsed();
+                    tracing::info!(watermark, ?published, ?applied, "long fault: drained");
+                    return Ok(applied);
+                }
+                None => {
+                    if last_log.elapsed() >= Duration::from_secs(5) {
+                        tracing::info!(watermark, pending, ?behind, "long fault: draining");
+                        last_log = Instant::now();
+                    }
+                }
+                Some(error) => tracing::warn!(%error, "drain check failed; retrying"),
+            }
+            if started.elapsed() >= self.plan.drain_wait {
+                tracing::error!(
+                    watermark,
+                    pending,
+                    ?behind,
+                    "long fault: not drained within {:?}",
+                    self.plan.drain_wait
+                );
+                return Ok(since.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// Writes one event per id for `key` in one transaction (each id recorded as attempted
+/// first, as the producer does).
+async fn write_batch(
+    pool: &PgPool,
+    outbox: &Outbox,
+    topic: &str,
+    key: &str,
+    ids: &[Uuid],
+    pad: String,
+) -> Result<()> {
+    let keys: Vec<&str> = ids.iter().map(|_| key).collect();
+    sqlx::query(
+        "INSERT INTO chaos_attempts (event_id, key) SELECT * FROM UNNEST($1::uuid[], $2::text[])",
+    )
+    .bind(ids)
+    .bind(&keys)
+    .execute(pool)
+    .await?;
+    let mut tx = pool.begin().await?;
+    for id in ids {
+        write_event(&mut tx, outbox, topic, *id, key, pad.clone()).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}

@@ -55,7 +55,7 @@ async fn scenario(expect: Expect) -> Result<()> {
             "SELECT (SELECT count(*) FROM agent_tasks WHERE state <> 'charged'),
                     (SELECT count(*) FROM model_calls),
                     (SELECT count(*) FROM billing_requests),
-                    (SELECT count(*) FROM outbox_events),
+                    (SELECT count(*) FROM outbox_events WHERE type = 'SendInvoice'),
                     (SELECT count(*) FROM outbox_events WHERE status <> 'published')",
         )
         .fetch_one(&pool)
@@ -64,6 +64,26 @@ async fn scenario(expect: Expect) -> Result<()> {
     ensure!(
         decisions == 3 && pending == 0,
         "{decisions} decisions, {pending} not published"
+    );
+    // The billing handler's follow-up, enqueued on its dedup transaction: once per charge in
+    // the outbox, whatever was redelivered or crashed, and handled once downstream.
+    let chained: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT c.invoice,
+                (SELECT count(*) FROM outbox_events o
+                  WHERE o.type = 'InvoiceCharged' AND o.aggregateid = c.invoice),
+                (SELECT count(*) FROM agent_receipts r WHERE r.invoice = c.invoice)
+           FROM billing_charges c ORDER BY c.invoice",
+    )
+    .fetch_all(&pool)
+    .await?;
+    ensure!(
+        chained
+            == [
+                ("INV-t1".into(), 1, 1),
+                ("INV-t2".into(), 1, 1),
+                ("INV-t3".into(), 1, 1)
+            ],
+        "follow-ups and receipts per invoice: {chained:?}"
     );
     ensure!(
         model_calls == expect.model_calls,

@@ -37,7 +37,7 @@ pub(crate) struct Settings {
     /// Concurrent writers in P1.
     #[arg(long, default_value_t = 4)]
     pub(crate) clients: usize,
-    /// Events per relay run (P2, P5); P4 uses a quarter.
+    /// Events per relay run (P2, P5) and per consumer run (P4).
     #[arg(long, default_value_t = 40_000)]
     pub(crate) events: usize,
     /// Relay batch size.

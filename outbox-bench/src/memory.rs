@@ -145,7 +145,7 @@ async fn consume_all(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
     let consumer = DedupConsumer::new(
         pool.clone(),
         ConsumerConfig::new(unique("mem")),
-        p4_consumer::effect as p4_consumer::Handler,
+        p4_consumer::effect,
     )?;
     let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("mem")))?;
     stream.subscribe(&[topic])?;

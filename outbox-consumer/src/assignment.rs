@@ -6,22 +6,42 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use rdkafka::ClientConfig;
-use rdkafka::ClientContext;
+use rdkafka::client::{DefaultClientContext, OAuthToken};
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::{ClientConfig, ClientContext, Statistics};
 
 use crate::ConsumerError;
 
 /// The [`ConsumerContext`] [`DedupConsumer::run`](crate::DedupConsumer::run) needs: it counts
 /// revocations per partition, so that queued messages of a revoked partition are dropped
 /// (and redelivered) rather than handled by a member that no longer owns them.
+///
+/// It wraps the application's own [`ClientContext`] (`C`), to which it forwards everything a
+/// client context does: logs, statistics, errors and OAUTHBEARER token refresh. Bring one
+/// with [`stream_consumer_with_context`] or [`DedupConsume::context`](crate::DedupConsume::context).
 #[derive(Debug, Default)]
-pub struct DedupContext {
+pub struct DedupContext<C = DefaultClientContext> {
     /// Revocations per topic and partition.
     epochs: Mutex<HashMap<String, HashMap<i32, u64>>>,
+    inner: C,
 }
 
-impl DedupContext {
+impl<C> DedupContext<C> {
+    /// Wraps `inner`.
+    pub fn new(inner: C) -> Self {
+        Self {
+            epochs: Mutex::default(),
+            inner,
+        }
+    }
+
+    /// The application's context.
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
     /// How many times `topic`/`partition` has been revoked from this member.
     pub(crate) fn epoch(&self, topic: &str, partition: i32) -> u64 {
         let epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
@@ -33,9 +53,34 @@ impl DedupContext {
     }
 }
 
-impl ClientContext for DedupContext {}
+impl<C: ClientContext> ClientContext for DedupContext<C> {
+    const ENABLE_REFRESH_OAUTH_TOKEN: bool = C::ENABLE_REFRESH_OAUTH_TOKEN;
 
-impl ConsumerContext for DedupContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.inner.log(level, fac, log_message);
+    }
+
+    fn stats(&self, statistics: Statistics) {
+        self.inner.stats(statistics);
+    }
+
+    fn stats_raw(&self, statistics: &[u8]) {
+        self.inner.stats_raw(statistics);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.inner.error(error, reason);
+    }
+
+    fn generate_oauth_token(
+        &self,
+        oauthbearer_config: Option<&str>,
+    ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+        self.inner.generate_oauth_token(oauthbearer_config)
+    }
+}
+
+impl<C: ClientContext> ConsumerContext for DedupContext<C> {
     fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(partitions) = rebalance {
             let mut epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
@@ -64,11 +109,11 @@ impl ConsumerContext for DedupContext {
 /// use rdkafka::consumer::Consumer;
 /// use tokio_util::sync::CancellationToken;
 ///
-/// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"),
-///     |event: &Event<serde_json::Value>, tx| Box::pin(async move {
-///         sqlx::query("INSERT INTO seen (id) VALUES ($1)").bind(event.id).execute(&mut **tx).await?;
-///         Ok(())
-///     }))?;
+/// async fn record(event: &Event<serde_json::Value>, conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+///     sqlx::query("INSERT INTO seen (id) VALUES ($1)").bind(event.id).execute(conn).await?;
+///     Ok(())
+/// }
+/// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"), record)?;
 /// let stream = stream_consumer(consumer_config("127.0.0.1:9092", "billing").set("session.timeout.ms", "10000"))?;
 /// stream.subscribe(&["outbox.event.invoice"])?;
 /// consumer.run(stream, CancellationToken::new()).await
@@ -77,7 +122,16 @@ impl ConsumerContext for DedupContext {
 pub fn stream_consumer(
     kafka: &ClientConfig,
 ) -> Result<StreamConsumer<DedupContext>, ConsumerError> {
+    stream_consumer_with_context(kafka, DefaultClientContext)
+}
+
+/// [`stream_consumer`] with the application's own client context (statistics, logging,
+/// OAUTHBEARER token refresh), which the consumer's [`DedupContext`] wraps.
+pub fn stream_consumer_with_context<C: ClientContext + 'static>(
+    kafka: &ClientConfig,
+    context: C,
+) -> Result<StreamConsumer<DedupContext<C>>, ConsumerError> {
     let mut kafka = kafka.clone();
     crate::runner::enforce_required(&mut kafka);
-    Ok(kafka.create_with_context(DedupContext::default())?)
+    Ok(kafka.create_with_context(DedupContext::new(context))?)
 }

@@ -47,6 +47,10 @@ pub struct ConsumerConfig {
     /// Messages queued per partition before its fetch is paused (it resumes at a quarter).
     /// Bounds memory to about this many messages per partition; lower it for large payloads.
     pub max_queued_per_partition: usize,
+    /// Most messages of one partition handled in one transaction. A batch is what is queued
+    /// when the partition's worker is ready; it never waits for more, so at low load a batch
+    /// is one message and latency does not grow. `1` is one transaction per message.
+    pub max_batch_size: usize,
     /// Larger payloads are quarantined without decoding.
     pub max_payload_bytes: usize,
     /// When set, events whose `type` header is not listed are quarantined.
@@ -101,6 +105,11 @@ impl ConsumerConfig {
         self.max_queued_per_partition = n;
         self
     }
+    /// Sets [`Self::max_batch_size`].
+    pub fn max_batch_size(mut self, n: usize) -> Self {
+        self.max_batch_size = n;
+        self
+    }
     /// Sets [`Self::max_payload_bytes`].
     pub fn max_payload_bytes(mut self, n: usize) -> Self {
         self.max_payload_bytes = n;
@@ -132,9 +141,10 @@ impl ConsumerConfig {
         if self.max_attempts == 0
             || self.max_concurrent_partitions == 0
             || self.max_queued_per_partition == 0
+            || self.max_batch_size == 0
         {
             return bad(
-                "max_attempts, max_concurrent_partitions and max_queued_per_partition must be at least 1",
+                "max_attempts, max_concurrent_partitions, max_queued_per_partition and max_batch_size must be at least 1",
             );
         }
         if self.backoff_base > self.backoff_max {
@@ -158,6 +168,7 @@ impl Default for ConsumerConfig {
             on_handler_failure: HandlerFailurePolicy::default(),
             max_concurrent_partitions: 8,
             max_queued_per_partition: 1024,
+            max_batch_size: 256,
             max_payload_bytes: 1024 * 1024,
             event_types: None,
             shutdown_timeout: Duration::from_secs(10),

@@ -1,49 +1,21 @@
-//! The consumer: its handler, its settings and counters, and the path of one message
-//! (decode, cache, the dedup transaction or the quarantine) with its span and metrics.
+//! The consumer: its settings and counters, what happened to a message, its quarantine, and
+//! the entry points for hand-driven loops (a batch's path is in `batch.rs`, one
+//! message's retries in `dedup_transaction.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use futures::future::BoxFuture;
 use moka::future::Cache;
 use rdkafka::Message;
 use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::decode::{self, Rejected};
 use crate::permit::Turn;
 use crate::sql::ConsumerSql;
-use crate::{ConsumerConfig, ConsumerError, Event, quarantine, span};
-
-/// What a handler may fail with. Anything that converts into a boxed error works
-/// (`anyhow::Error`, `sqlx::Error`, `std::io::Error`, ...).
-pub type HandlerError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The future a handler returns: it may borrow the event and the transaction.
-pub type HandlerFuture<'c> = BoxFuture<'c, Result<(), HandlerError>>;
-
-/// A message handler: any `Send + Sync` function or closure that takes the event and the
-/// transaction its effect must be written on. Implemented for every such function; write
-/// closures inline where a handler is expected, or `|e, tx| Box::pin(my_async_fn(e, tx))`.
-pub trait Handler<P>:
-    for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-    + Send
-    + Sync
-    + 'static
-{
-}
-
-impl<P, F> Handler<P> for F where
-    F: for<'c> Fn(&'c Event<P>, &'c mut Transaction<'static, Postgres>) -> HandlerFuture<'c>
-        + Send
-        + Sync
-        + 'static
-{
-}
+use crate::{ConsumerConfig, ConsumerError, Handler, quarantine};
 
 /// What happened to one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,11 +31,14 @@ pub enum Outcome {
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
     /// `too_large`), or its attempts ran out (`handler_failed`: the handler returned an error
-    /// or panicked; `commit_failed`: the database rejected the COMMIT, e.g. a deferred
+    /// or panicked; `handler_rejected`: it said [`HandlerError::Quarantine`](crate::HandlerError::Quarantine); `commit_failed`: the database rejected the COMMIT, e.g. a deferred
     /// constraint; `transaction_failed`: it rejected the consumer's own dedup statement).
     Quarantined(&'static str),
     /// Shutdown came while a blocked handler was still retrying; the offset is not stored.
     Abandoned,
+    /// Not handled: its partition was revoked from this member after it was fetched (the
+    /// partition's new owner reads it again from the committed offset).
+    Revoked,
 }
 
 /// Counters of a [`DedupConsumer`], cumulative since it was built.
@@ -108,7 +83,7 @@ pub(crate) fn bump(counter: &AtomicU64) {
 }
 
 /// Counts `outcome` for `consumer` in the process's metrics recorder (a no-op without one).
-fn record_metric(consumer: &str, outcome: &Outcome) {
+pub(crate) fn record_metric(consumer: &str, outcome: &Outcome) {
     let consumer = consumer.to_owned();
     match outcome {
         Outcome::Processed => {
@@ -124,16 +99,17 @@ fn record_metric(consumer: &str, outcome: &Outcome) {
         Outcome::Quarantined(reason) => {
             metrics::counter!("outbox_consumer_quarantined_total", "consumer" => consumer, "reason" => *reason).increment(1);
         }
-        Outcome::Abandoned => {}
+        Outcome::Abandoned | Outcome::Revoked => {}
     }
 }
 
 /// Runs a handler once per (consumer name, event id), however often Kafka delivers the event.
 ///
-/// For each message: decode under the wire contract (or quarantine); skip if the id is in the
-/// in-memory cache; else, in one transaction, insert the id into the dedup table
-/// (`ON CONFLICT DO NOTHING`: no row means a duplicate, skipped) and run the handler on the
-/// same transaction, then commit and remember the id. Cheap to clone.
+/// For each batch of one partition's messages: decode under the wire contract (or quarantine);
+/// skip ids in the in-memory cache; in one transaction, insert the other ids into the dedup
+/// table (`ON CONFLICT DO NOTHING RETURNING`: an id not returned is a duplicate, skipped) and
+/// run the handler of each new one on the same transaction, then commit and remember the ids.
+/// Cheap to clone.
 pub struct DedupConsumer<P, H> {
     pub(crate) inner: Arc<Inner<P, H>>,
 }
@@ -166,6 +142,8 @@ pub(crate) struct Inner<P, H> {
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) crash_after_commit_of: std::sync::Mutex<Option<Uuid>>,
 }
 
 impl<P, H> Inner<P, H> {
@@ -187,20 +165,21 @@ where
     /// ```no_run
     /// # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
     /// use outbox_consumer::{ConsumerConfig, DedupConsumer, Event};
+    /// use sqlx::PgConnection;
     ///
     /// #[derive(serde::Deserialize)]
     /// struct Invoice { cents: i64 }
     ///
-    /// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"), |event: &Event<Invoice>, tx| {
-    ///     Box::pin(async move {
-    ///         sqlx::query("INSERT INTO charges (idempotency_key, cents) VALUES ($1, $2)")
-    ///             .bind(event.idempotency_key())
-    ///             .bind(event.payload.cents)
-    ///             .execute(&mut **tx)
-    ///             .await?;
-    ///         Ok(())
-    ///     })
-    /// })?;
+    /// async fn charge(event: &Event<Invoice>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    ///     sqlx::query("INSERT INTO charges (idempotency_key, cents) VALUES ($1, $2)")
+    ///         .bind(event.idempotency_key())
+    ///         .bind(event.payload.cents)
+    ///         .execute(conn)
+    ///         .await?;
+    ///     Ok(())
+    /// }
+    ///
+    /// let consumer = DedupConsumer::new(pool, ConsumerConfig::new("billing"), charge)?;
     /// # Ok(()) }
     /// ```
     pub fn new(pool: PgPool, config: ConsumerConfig, handler: H) -> Result<Self, ConsumerError> {
@@ -221,6 +200,8 @@ where
                 _payload: std::marker::PhantomData,
                 #[cfg(feature = "fault-injection")]
                 crash_after_commit: std::sync::atomic::AtomicBool::new(false),
+                #[cfg(feature = "fault-injection")]
+                crash_after_commit_of: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -261,6 +242,17 @@ where
         self.inner.crash_after_commit.store(true, Ordering::SeqCst);
     }
 
+    /// Makes the consumer stop, as a crash would, after the commit that covers event `id`
+    /// (its batch's) and before that batch's offsets are stored. For tests.
+    #[cfg(feature = "fault-injection")]
+    pub fn crash_after_commit_of(&self, id: outbox_core::EventId) {
+        *self
+            .inner
+            .crash_after_commit_of
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(*id.as_uuid());
+    }
+
     /// Handles one message end to end (everything but storing its offset). `Err` means the
     /// database was unavailable (it could not be reached, see the README's "What counts as a
     /// failure"): nothing was skipped, and the message should be retried. A transaction the
@@ -270,52 +262,23 @@ where
         message: &OwnedMessage,
         shutdown: &CancellationToken,
     ) -> Result<Outcome, ConsumerError> {
-        self.process_in_turn(message, shutdown, &mut Turn::unlimited())
-            .await
-    }
-
-    /// [`Self::process`], giving `turn` back while it waits out a retry backoff.
-    pub(crate) async fn process_in_turn(
-        &self,
-        message: &OwnedMessage,
-        shutdown: &CancellationToken,
-        turn: &mut Turn<'_>,
-    ) -> Result<Outcome, ConsumerError> {
-        let started = std::time::Instant::now();
-        let outcome = self
-            .process_unmetered(message, shutdown, turn)
-            .instrument(span::message_span(&self.inner.name, message))
+        let outcomes = self
+            .process_batch(std::slice::from_ref(message), shutdown)
             .await?;
-        record_metric(&self.inner.name, &outcome);
-        metrics::histogram!("outbox_consumer_message_seconds", "consumer" => self.inner.name.clone())
-            .record(started.elapsed().as_secs_f64());
-        Ok(outcome)
+        Ok(outcomes.into_iter().next().unwrap_or(Outcome::Abandoned))
     }
 
-    async fn process_unmetered(
+    /// Handles `messages` of one partition, in offset order, as one batch: one transaction
+    /// for all of them unless a handler fails (see the crate docs), everything but storing the
+    /// offsets. Returns their outcomes in order; it ends early after an
+    /// [`Outcome::Abandoned`] one (shutdown under `Block`), whose offset and later ones must
+    /// not be stored. `Err` as for [`Self::process`].
+    pub async fn process_batch(
         &self,
-        message: &OwnedMessage,
+        messages: &[OwnedMessage],
         shutdown: &CancellationToken,
-        turn: &mut Turn<'_>,
-    ) -> Result<Outcome, ConsumerError> {
-        let inner = &*self.inner;
-        let event = match decode::decode(&inner.config, message) {
-            Ok(event) => event,
-            Err(rejected) => {
-                let Rejected {
-                    reason,
-                    error,
-                    event_id,
-                } = rejected;
-                return self.quarantine(message, event_id, reason, &error).await;
-            }
-        };
-        if inner.cache.contains_key(event.id.as_uuid()) {
-            bump(&inner.counters.duplicates_cached);
-            tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");
-            return Ok(Outcome::DuplicateCached);
-        }
-        self.handle_until_done(message, &event, shutdown, turn)
+    ) -> Result<Vec<Outcome>, ConsumerError> {
+        self.handle_batch(messages, shutdown, &mut Turn::unlimited(), &|| true)
             .await
     }
 

@@ -10,10 +10,14 @@ use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
+use sqlx::PgConnection;
+
 use crate::consumer::bump;
 use crate::failure::{AttemptError, is_unavailable};
 use crate::permit::Turn;
-use crate::{ConsumerError, DedupConsumer, Event, Handler, HandlerFailurePolicy, Outcome};
+use crate::{
+    ConsumerError, DedupConsumer, Event, Handler, HandlerError, HandlerFailurePolicy, Outcome,
+};
 
 impl<P, H> DedupConsumer<P, H>
 where
@@ -22,28 +26,38 @@ where
 {
     /// Attempts `event` until it commits, is found to be a duplicate, or the failure policy
     /// gives up on it (quarantine). `Err` only when the database cannot be reached.
+    /// `failed` is an attempt that already failed (in a batch), counted as the first.
     pub(crate) async fn handle_until_done(
         &self,
         message: &OwnedMessage,
         event: &Event<P>,
         shutdown: &CancellationToken,
         turn: &mut Turn<'_>,
+        mut failed: Option<(&'static str, String, bool)>,
     ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
         let config = &inner.config;
         let mut attempt = 0_u32;
         loop {
             attempt += 1;
-            let (reason, error) = match self.attempt(event).await {
-                Ok(outcome) => return Ok(outcome),
-                Err(AttemptError::Unavailable(error)) => return Err(error.into()),
-                Err(AttemptError::Failed { reason, error }) => (reason, error),
+            let (reason, error, retry) = match failed.take() {
+                Some(failure) => failure,
+                None => match self.attempt(event).await {
+                    Ok(outcome) => return Ok(outcome),
+                    Err(AttemptError::Unavailable(error)) => return Err(error.into()),
+                    Err(AttemptError::Failed {
+                        reason,
+                        error,
+                        retry,
+                    }) => (reason, error, retry),
+                },
             };
-            bump(&inner.counters.handler_errors);
-            metrics::counter!("outbox_consumer_handler_errors_total", "consumer" => inner.name.clone())
-                .increment(1);
-            tracing::warn!(consumer = %inner.name, event_id = %event.id, attempt, reason, %error,
-                "attempt failed");
+            self.count_failure(event, attempt, reason, &error);
+            if !retry {
+                return self
+                    .quarantine(message, Some(*event.id.as_uuid()), reason, &error)
+                    .await;
+            }
             if config.on_handler_failure == HandlerFailurePolicy::Quarantine
                 && attempt >= config.max_attempts
             {
@@ -57,6 +71,15 @@ where
                 return Ok(Outcome::Abandoned);
             }
         }
+    }
+
+    fn count_failure(&self, event: &Event<P>, attempt: u32, reason: &str, error: &str) {
+        let inner = &*self.inner;
+        bump(&inner.counters.handler_errors);
+        metrics::counter!("outbox_consumer_handler_errors_total", "consumer" => inner.name.clone())
+            .increment(1);
+        tracing::warn!(consumer = %inner.name, event_id = %event.id, attempt, reason, %error,
+            "attempt failed");
     }
 
     /// One transaction: the dedup row, the handler, COMMIT. Never raced against shutdown: an
@@ -84,12 +107,7 @@ where
             tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (dedup table)");
             return Ok(Outcome::DuplicateStored);
         }
-        // A panicking handler is a failing handler: it must not take the partition down.
-        let result = AssertUnwindSafe((inner.handler)(event, &mut tx))
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|panic| Err(panic_message(&panic).into()));
-        if let Err(error) = result {
+        if let Err(error) = run_handler(&inner.handler, event, &mut tx).await {
             let failure = AttemptError::from_handler(error);
             if let Err(error) = tx.rollback().await
                 && is_unavailable(&error)
@@ -109,6 +127,19 @@ where
             partition = event.partition, offset = event.offset, "processed");
         Ok(Outcome::Processed)
     }
+}
+
+/// Runs `handler` on `conn`. A panicking handler is a failing handler: it must not take the
+/// partition down.
+pub(crate) async fn run_handler<P, H: Handler<P>>(
+    handler: &H,
+    event: &Event<P>,
+    conn: &mut PgConnection,
+) -> Result<(), HandlerError> {
+    AssertUnwindSafe(handler.handle(event, conn))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| Err(HandlerError::retry(panic_message(&panic))))
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -17,6 +17,8 @@ pub(crate) enum AttemptError {
         reason: &'static str,
         /// The error in words.
         error: String,
+        /// Whether another attempt could succeed (`false`: quarantine now).
+        retry: bool,
     },
 }
 
@@ -30,21 +32,31 @@ impl AttemptError {
         Self::Failed {
             reason,
             error: describe(&error),
+            retry: true,
         }
     }
 
     /// An error the handler returned. A handler whose own query found the database gone
-    /// (it returned the `sqlx::Error` as is) is not a failing handler.
+    /// (it returned the `sqlx::Error` as is) is not a failing handler; one that said
+    /// [`HandlerError::Quarantine`](crate::HandlerError::Quarantine) is not retried.
     pub(crate) fn from_handler(error: crate::HandlerError) -> Self {
+        let (retry, error) = error.into_parts();
+        let reason = if retry {
+            "handler_failed"
+        } else {
+            "handler_rejected"
+        };
         match error.downcast::<sqlx::Error>() {
             Ok(error) if is_unavailable(&error) => Self::Unavailable(*error),
             Ok(error) => Self::Failed {
-                reason: "handler_failed",
+                reason,
                 error: describe(&error),
+                retry,
             },
             Err(error) => Self::Failed {
-                reason: "handler_failed",
+                reason,
                 error: error.to_string(),
+                retry,
             },
         }
     }
@@ -115,13 +127,27 @@ mod tests {
         }
         assert!(is_unavailable(&sqlx::Error::PoolTimedOut));
         assert!(!is_unavailable(&sqlx::Error::RowNotFound));
-        let handler = AttemptError::from_handler(Box::new(sqlx::Error::PoolClosed));
+        let handler = AttemptError::from_handler(sqlx::Error::PoolClosed.into());
         assert!(matches!(handler, AttemptError::Unavailable(_)));
-        let handler = AttemptError::from_handler("no".into());
+        // Even a handler that says "quarantine": an outage is nobody's message's fault.
+        let handler =
+            AttemptError::from_handler(crate::HandlerError::quarantine(sqlx::Error::PoolClosed));
+        assert!(matches!(handler, AttemptError::Unavailable(_)));
+        let handler = AttemptError::from_handler(crate::HandlerError::retry("no"));
         assert!(matches!(
             handler,
             AttemptError::Failed {
                 reason: "handler_failed",
+                retry: true,
+                ..
+            }
+        ));
+        let handler = AttemptError::from_handler(crate::HandlerError::quarantine("never"));
+        assert!(matches!(
+            handler,
+            AttemptError::Failed {
+                reason: "handler_rejected",
+                retry: false,
                 ..
             }
         ));

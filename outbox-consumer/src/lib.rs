@@ -2,13 +2,18 @@
 //! (consumer name, event id)** however often Kafka delivers the event.
 //!
 //! # Delivery semantics
-//! Kafka delivers at least once. For each message the consumer checks an in-memory cache of
-//! recent ids, then, in one Postgres transaction, inserts the id into a dedup table and runs
-//! the handler on that same transaction. Commit makes the handler's state and "seen" durable
-//! together; a rollback undoes both. The offset is stored only after that commit (or after a
-//! skip), so a crash anywhere redelivers, and the redelivery is recognised as a duplicate.
-//! Side effects outside Postgres (an HTTP call, an email) cannot join the transaction: pass
-//! [`Event::idempotency_key`] to them.
+//! Kafka delivers at least once. Each partition's worker takes the messages queued for it
+//! (up to `max_batch_size`, never waiting for more), drops those whose id is in an in-memory
+//! cache of recent ids, and, in one Postgres transaction, inserts the batch's ids into a
+//! dedup table (the ids already there are duplicates, skipped) and runs the handler of each
+//! new id, in offset order, on that same transaction. Commit makes the handlers' state and
+//! "seen" durable together; a rollback undoes both. The offsets are stored only after that
+//! commit, so a crash anywhere redelivers, and the redelivery is recognised as a duplicate.
+//! A failing handler takes no other message with it: the batch is rolled back and replayed
+//! around it, and only its message is retried or quarantined. Side effects outside Postgres
+//! (an HTTP call, an email) cannot join the transaction: pass [`Event::idempotency_key`] to
+//! them. Effects inside it can: a handler that enqueues a follow-up event with
+//! `outbox_producer::enqueue` on its connection makes consume → decide → enqueue happen once.
 //!
 //! Messages that break the wire contract or the configured limits, and messages whose handler
 //! keeps failing (under the default [`HandlerFailurePolicy::Quarantine`]), are stored whole in
@@ -36,29 +41,34 @@
 //!
 //! ```no_run
 //! # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
-//! use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
+//! use outbox_consumer::{Event, consumer_config, dedup_consume};
+//! use sqlx::PgConnection;
 //! use tokio_util::sync::CancellationToken;
 //!
+//! async fn record(event: &Event<serde_json::Value>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+//!     sqlx::query("INSERT INTO seen (id) VALUES ($1)").bind(event.id).execute(conn).await?;
+//!     Ok(())
+//! }
+//!
 //! let kafka = consumer_config("127.0.0.1:9092", "billing");
-//! let shutdown = CancellationToken::new();
-//! dedup_consume(&kafka, &["outbox.event.invoice"], pool, ConsumerConfig::default(),
-//!     |event: &Event<serde_json::Value>, tx| Box::pin(async move {
-//!         sqlx::query("INSERT INTO seen (id) VALUES ($1)").bind(event.id).execute(&mut **tx).await?;
-//!         Ok(())
-//!     }),
-//!     shutdown,
-//! ).await
+//! dedup_consume(&kafka, pool, record)
+//!     .topics(["outbox.event.invoice"])
+//!     .run(CancellationToken::new())
+//!     .await
 //! # }
 //! ```
 
 mod assignment;
+mod batch;
 mod config;
+mod consume;
 mod consumer;
 mod decode;
 mod dedup_transaction;
 mod error;
 mod event;
 mod failure;
+mod handler;
 mod partition_queue;
 mod permit;
 mod prune;
@@ -67,14 +77,16 @@ mod runner;
 mod span;
 mod sql;
 
-pub use assignment::{DedupContext, stream_consumer};
+pub use assignment::{DedupContext, stream_consumer, stream_consumer_with_context};
 pub use config::{ConsumerConfig, HandlerFailurePolicy};
-pub use consumer::{ConsumerStats, DedupConsumer, Handler, HandlerError, HandlerFuture, Outcome};
+pub use consume::{DedupConsume, dedup_consume};
+pub use consumer::{ConsumerStats, DedupConsumer, Outcome};
 pub use error::ConsumerError;
 pub use event::{Event, RawHeader};
+pub use handler::{BoxError, Boxed, Handler, HandlerError, HandlerFn, HandlerFuture, boxed};
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;
 pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};
 pub use prune::prune;
-pub use runner::{consumer_config, dedup_consume};
+pub use runner::consumer_config;

@@ -130,6 +130,21 @@ impl PartitionReceiver {
         consumer: &StreamConsumer<C>,
     ) -> Option<Queued> {
         let item = self.rx.recv().await?;
+        self.taken(consumer);
+        Some(item)
+    }
+
+    /// The next message if one is queued now, without waiting.
+    pub(crate) fn try_next<C: ConsumerContext>(
+        &mut self,
+        consumer: &StreamConsumer<C>,
+    ) -> Option<Queued> {
+        let item = self.rx.try_recv().ok()?;
+        self.taken(consumer);
+        Some(item)
+    }
+
+    fn taken<C: ConsumerContext>(&self, consumer: &StreamConsumer<C>) {
         let len = self.flow.len.fetch_sub(1, Ordering::SeqCst) - 1;
         if len <= self.flow.low {
             let mut paused = self.flow.lock();
@@ -138,7 +153,6 @@ impl PartitionReceiver {
                 *paused = false;
             }
         }
-        Some(item)
     }
 }
 

@@ -4,21 +4,20 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rdkafka::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::{ClientConfig, ClientContext};
 use serde::de::DeserializeOwned;
-use sqlx::PgPool;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::assignment::{DedupContext, stream_consumer};
-use crate::consumer::{Handler, Outcome};
+use crate::assignment::DedupContext;
+use crate::consumer::Outcome;
 use crate::partition_queue::{PartitionReceiver, PartitionSender, Queued, partition_queue};
 use crate::permit::Turn;
-use crate::{ConsumerConfig, ConsumerError, DedupConsumer};
+use crate::{ConsumerError, DedupConsumer, Handler};
 
 /// Settings the consumer's guarantees rest on, applied over the caller's.
 const REQUIRED: &[(&str, &str)] = &[
@@ -29,7 +28,7 @@ const REQUIRED: &[(&str, &str)] = &[
 ];
 
 /// A consumer configuration for `bootstrap_servers` and group `group_id`, with the settings
-/// [`dedup_consume`] requires, reading new groups from the earliest offset.
+/// [`dedup_consume`](crate::dedup_consume) requires, reading new groups from the earliest offset.
 pub fn consumer_config(bootstrap_servers: &str, group_id: &str) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
@@ -53,30 +52,6 @@ pub(crate) fn enforce_required(config: &mut ClientConfig) {
     }
 }
 
-/// Builds a consumer from `kafka` (with the required settings enforced), subscribes it to
-/// `topics`, and runs `handler` once per event id until `shutdown` is cancelled. The consumer
-/// name defaults to the `group.id`.
-pub async fn dedup_consume<P, H>(
-    kafka: &ClientConfig,
-    topics: &[&str],
-    pool: PgPool,
-    mut config: ConsumerConfig,
-    handler: H,
-    shutdown: CancellationToken,
-) -> Result<(), ConsumerError>
-where
-    P: DeserializeOwned + Send + Sync + 'static,
-    H: Handler<P>,
-{
-    if config.name.is_none() {
-        config.name = kafka.get("group.id").map(str::to_owned);
-    }
-    let consumer = DedupConsumer::new(pool, config, handler)?;
-    let stream = stream_consumer(kafka)?;
-    stream.subscribe(topics)?;
-    consumer.run(stream, shutdown).await
-}
-
 impl<P, H> DedupConsumer<P, H>
 where
     P: DeserializeOwned + Send + Sync + 'static,
@@ -94,7 +69,7 @@ where
         Ok(outcome)
     }
 
-    /// Consumes until `shutdown` is cancelled. `consumer` comes from [`stream_consumer`]
+    /// Consumes until `shutdown` is cancelled. `consumer` comes from [`stream_consumer`](crate::stream_consumer)
     /// and must be subscribed (or assigned).
     ///
     /// Partitions are handled concurrently (up to `max_concurrent_partitions`), each in
@@ -110,9 +85,9 @@ where
     /// fatal error (it would fetch nothing more), and the error of a partition worker that
     /// stopped on a fault; in both cases the other partitions stop after their current
     /// message, and the stored offsets are committed as on shutdown.
-    pub async fn run(
+    pub async fn run<C: ClientContext + 'static>(
         &self,
-        consumer: StreamConsumer<DedupContext>,
+        consumer: StreamConsumer<DedupContext<C>>,
         shutdown: CancellationToken,
     ) -> Result<(), ConsumerError> {
         let consumer = Arc::new(consumer);
@@ -183,9 +158,9 @@ where
         result
     }
 
-    async fn partition_worker(
+    async fn partition_worker<C: ClientContext + 'static>(
         self,
-        consumer: Arc<StreamConsumer<DedupContext>>,
+        consumer: Arc<StreamConsumer<DedupContext<C>>>,
         mut queue: PartitionReceiver,
         permits: Arc<Semaphore>,
         shutdown: CancellationToken,
@@ -196,25 +171,51 @@ where
                 .context()
                 .epoch(message.topic(), message.partition())
         };
-        while let Some(Queued { message, epoch }) = queue.next(&consumer).await {
+        while let Some(first) = queue.next(&consumer).await {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            if epoch != current(&message) {
-                // Fetched before the partition was revoked: whoever owns it now reads it
-                // again from the committed offset.
-                self.inner.note_revoked_skip();
-                continue;
+            // What is queued now, never waiting for more: at low load a batch is one message.
+            let mut batch = vec![first];
+            while batch.len() < config.max_batch_size {
+                match queue.try_next(&consumer) {
+                    Some(queued) => batch.push(queued),
+                    None => break,
+                }
             }
+            // Fetched before the partition was revoked: whoever owns it now reads them again
+            // from the committed offset.
+            let mut epoch = 0;
+            let messages: Vec<OwnedMessage> = batch
+                .into_iter()
+                .filter_map(|queued| {
+                    if queued.epoch == current(&queued.message) {
+                        epoch = queued.epoch;
+                        Some(queued.message)
+                    } else {
+                        self.inner.note_revoked_skip();
+                        None
+                    }
+                })
+                .collect();
+            let Some(last) = messages.last() else {
+                continue;
+            };
             let mut turn = Turn::take(&permits).await?;
             let mut failures = 0;
-            let outcome = loop {
-                match self.process_in_turn(&message, &shutdown, &mut turn).await {
-                    Ok(outcome) => break outcome,
+            let outcomes = loop {
+                let owned = || current(last) == epoch;
+                match self
+                    .handle_batch(&messages, &shutdown, &mut turn, &owned)
+                    .await
+                {
+                    Ok(outcomes) => break outcomes,
                     Err(error) => {
-                        // The database is unavailable: retry this message, never skip it.
-                        tracing::warn!(%error, topic = message.topic(), partition = message.partition(),
-                            offset = message.offset(), "cannot handle message; retrying");
+                        // The database is unavailable: retry these messages, never skip them
+                        // (what committed meanwhile is found deduplicated).
+                        tracing::warn!(%error, topic = last.topic(), partition = last.partition(),
+                            offset = last.offset(), messages = messages.len(),
+                            "cannot handle messages; retrying");
                         let delay =
                             outbox_core::backoff(config.backoff_base, config.backoff_max, failures);
                         if !turn.back_off(delay, &shutdown).await? {
@@ -225,30 +226,72 @@ where
                 }
             };
             drop(turn);
-            if outcome == Outcome::Abandoned {
-                return Ok(());
-            }
             #[cfg(feature = "fault-injection")]
-            if outcome == Outcome::Processed
-                && self
-                    .inner
-                    .crash_after_commit
-                    .swap(false, std::sync::atomic::Ordering::SeqCst)
-            {
-                return Err(ConsumerError::InjectedFault(
-                    "crash after commit, before storing the offset",
-                ));
+            self.crash_if_due(&messages, &outcomes)?;
+            for _ in outcomes.iter().filter(|o| **o == Outcome::Revoked) {
+                self.inner.note_revoked_skip();
             }
-            // Revoked while it was handled: storing now could move a newer owner's (or a
-            // re-fetch's) committed offset backwards. Its redelivery is a duplicate.
-            if epoch == current(&message) {
-                store_offset(&consumer, &message);
+            // Offsets up to the last message fully handled; an abandoned or revoked one and
+            // those after it are redelivered.
+            let done = outcomes
+                .iter()
+                .take_while(|o| !matches!(o, Outcome::Abandoned | Outcome::Revoked))
+                .count();
+            // Revoked while they were handled: storing now could move a newer owner's (or a
+            // re-fetch's) committed offset backwards. Their redelivery is deduplicated.
+            if let Some(message) = done.checked_sub(1).map(|i| &messages[i])
+                && epoch == current(message)
+            {
+                store_offset(&consumer, message);
+            }
+            if outcomes.contains(&Outcome::Abandoned) {
+                return Ok(());
             }
         }
         Ok(())
     }
 
-    async fn close(&self, consumer: Arc<StreamConsumer<DedupContext>>) {
+    #[cfg(feature = "fault-injection")]
+    fn crash_if_due(
+        &self,
+        messages: &[OwnedMessage],
+        outcomes: &[Outcome],
+    ) -> Result<(), ConsumerError> {
+        use rdkafka::message::Headers;
+        use std::sync::atomic::Ordering::SeqCst;
+        let inner = &self.inner;
+        let processed = outcomes.contains(&Outcome::Processed);
+        let mut target = inner
+            .crash_after_commit_of
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let covered = target.is_some_and(|id| {
+            messages.iter().zip(outcomes).any(|(m, o)| {
+                *o == Outcome::Processed
+                    && outbox_core::wire::event_id(
+                        m.headers()
+                            .into_iter()
+                            .flat_map(|h| h.iter())
+                            .map(|h| (h.key, h.value)),
+                    )
+                    .is_ok_and(|e| *e.as_uuid() == id)
+            })
+        });
+        if covered {
+            *target = None;
+        }
+        if covered || (processed && inner.crash_after_commit.swap(false, SeqCst)) {
+            return Err(ConsumerError::InjectedFault(
+                "crash after commit, before storing the offset",
+            ));
+        }
+        Ok(())
+    }
+
+    async fn close<C: ClientContext + 'static>(
+        &self,
+        consumer: Arc<StreamConsumer<DedupContext<C>>>,
+    ) {
         let timeout = self.inner.config.shutdown_timeout;
         // Committing and dropping can block on an unreachable broker: do both on a blocking
         // thread and stop waiting after `timeout`.

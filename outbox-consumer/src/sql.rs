@@ -6,6 +6,10 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerSql {
     pub(crate) insert_dedup: SqlStr,
+    /// Inserts many ids at once; returns those that were new.
+    pub(crate) insert_dedup_batch: SqlStr,
+    /// Deletes ids this transaction inserted but did not handle.
+    pub(crate) delete_dedup_batch: SqlStr,
     pub(crate) quarantine: SqlStr,
 }
 
@@ -16,6 +20,15 @@ impl ConsumerSql {
         Self {
             insert_dedup: AssertSqlSafe(format!(
                 "INSERT INTO {dedup} (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            ))
+            .into_sql_str(),
+            insert_dedup_batch: AssertSqlSafe(format!(
+                "INSERT INTO {dedup} (consumer, event_id) SELECT $1, unnest($2::uuid[]) \
+                 ON CONFLICT DO NOTHING RETURNING event_id"
+            ))
+            .into_sql_str(),
+            delete_dedup_batch: AssertSqlSafe(format!(
+                "DELETE FROM {dedup} WHERE consumer = $1 AND event_id = ANY($2)"
             ))
             .into_sql_str(),
             quarantine: AssertSqlSafe(format!(

@@ -313,3 +313,27 @@ pub mod connect;
 pub use connect::{
     OutboxConnector, PayloadMode, connect_request, connect_url, outbox_connector_config,
 };
+
+/// A record as the relay writes it, for feeding a consumer directly: key `k`, partition 0,
+/// an `id` header and `payload`.
+pub fn event_message(
+    topic: &str,
+    offset: i64,
+    id: outbox_core::EventId,
+    payload: &str,
+) -> rdkafka::message::OwnedMessage {
+    let id = id.to_string();
+    let headers = OwnedHeaders::new().insert(Header {
+        key: "id",
+        value: Some(&id),
+    });
+    rdkafka::message::OwnedMessage::new(
+        Some(payload.as_bytes().to_vec()),
+        Some(b"k".to_vec()),
+        topic.to_owned(),
+        rdkafka::Timestamp::NotAvailable,
+        0,
+        offset,
+        Some(headers),
+    )
+}

@@ -100,7 +100,7 @@ fn gated_consumer(
     Ok(DedupConsumer::new(
         pool,
         config,
-        move |event: &Event<Order>, tx| {
+        outbox_consumer::boxed(move |event: &Event<Order>, conn| {
             let (gate, blocked) = (gate.clone(), blocks(event));
             Box::pin(async move {
                 if blocked {
@@ -110,11 +110,11 @@ fn gated_consumer(
                     .bind(event.id)
                     .bind(&event.key)
                     .bind(event.payload.n)
-                    .execute(&mut **tx)
+                    .execute(conn)
                     .await?;
                 Ok(())
             })
-        },
+        }),
     )?)
 }
 

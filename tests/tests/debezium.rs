@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
+use outbox_consumer::{Event, consumer_config, dedup_consume};
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
 use outbox_tests::{
     OutboxConnector, PayloadMode, TestDb, create_topic, eventually, kafka_bootstrap, unique,
@@ -16,6 +16,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde_json::{Value, json};
+use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -159,28 +160,20 @@ fn spawn_consumer(
     let (pool, shutdown, topic) = (db.pool.clone(), shutdown.clone(), topic.to_owned());
     tokio::spawn(async move {
         let kafka = consumer_config(&kafka_bootstrap(), &unique("g"));
-        dedup_consume(
-            &kafka,
-            &[topic.as_str()],
-            pool,
-            ConsumerConfig::default(),
-            |event: &Event<Value>, tx| {
-                Box::pin(async move {
-                    sqlx::query(
-                        "INSERT INTO effects (event_id, key, n, payload) VALUES ($1, $2, $3, $4)",
-                    )
-                    .bind(event.id)
-                    .bind(&event.key)
-                    .bind(event.payload["n"].as_i64())
-                    .bind(&event.payload)
-                    .execute(&mut **tx)
-                    .await?;
-                    Ok(())
-                })
-            },
-            shutdown,
-        )
-        .await
+        async fn record(event: &Event<Value>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+            sqlx::query("INSERT INTO effects (event_id, key, n, payload) VALUES ($1, $2, $3, $4)")
+                .bind(event.id)
+                .bind(&event.key)
+                .bind(event.payload["n"].as_i64())
+                .bind(&event.payload)
+                .execute(conn)
+                .await?;
+            Ok(())
+        }
+        dedup_consume(&kafka, pool, record)
+            .topics([topic])
+            .run(shutdown)
+            .await
     })
 }
 

@@ -11,11 +11,22 @@ use outbox_tests::{TestDb, eventually, kafka_bootstrap, random_topic, read_all, 
 use rdkafka::consumer::Consumer;
 use serde::Deserialize;
 use serde_json::json;
+use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Deserialize)]
 struct Step {
     n: i64,
+}
+
+async fn record_step(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effects (event_id, key, n) VALUES ($1, $2, $3)")
+        .bind(event.id)
+        .bind(&event.key)
+        .bind(event.payload.n)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -67,25 +78,10 @@ async fn effects_happen_once_per_event_in_key_order_despite_redelivery() -> Resu
         let (pool, shutdown, topic) = (db.pool.clone(), shutdown.clone(), topic.clone());
         async move {
             let kafka = consumer_config(&kafka_bootstrap(), &unique("g"));
-            dedup_consume(
-                &kafka,
-                &[topic.as_str()],
-                pool,
-                ConsumerConfig::default(),
-                |event: &Event<Step>, tx| {
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects (event_id, key, n) VALUES ($1, $2, $3)")
-                            .bind(event.id)
-                            .bind(&event.key)
-                            .bind(event.payload.n)
-                            .execute(&mut **tx)
-                            .await?;
-                        Ok(())
-                    })
-                },
-                shutdown,
-            )
-            .await
+            dedup_consume(&kafka, pool, record_step)
+                .topics([topic])
+                .run(shutdown)
+                .await
         }
     });
     let total = KEYS * PER_KEY;
@@ -175,17 +171,7 @@ async fn a_consumer_far_behind_a_batching_relay_applies_every_effect_once() -> R
     let consumer = DedupConsumer::new(
         db.pool.clone(),
         ConsumerConfig::new("far-behind").max_queued_per_partition(64),
-        |event: &Event<Step>, tx| {
-            Box::pin(async move {
-                sqlx::query("INSERT INTO effects (event_id, key, n) VALUES ($1, $2, $3)")
-                    .bind(event.id)
-                    .bind(&event.key)
-                    .bind(event.payload.n)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok(())
-            })
-        },
+        record_step,
     )?;
     let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("g")))?;
     stream.subscribe(&[topic.as_str()])?;

@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
+use outbox_consumer::{ConsumerConfig, Event, HandlerError, consumer_config, dedup_consume};
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
 use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
 use serde_json::json;
@@ -46,14 +46,20 @@ async fn relay_and_consumer_series_are_scraped_over_http() -> Result<()> {
         let (pool, shutdown, topic) = (db.pool.clone(), shutdown.clone(), topic.clone());
         let config = ConsumerConfig::new(consumer_name.clone());
         async move {
+            async fn nothing(
+                _: &Event<serde_json::Value>,
+                _: &mut sqlx::PgConnection,
+            ) -> Result<(), HandlerError> {
+                Ok(())
+            }
             dedup_consume(
                 &consumer_config(&kafka_bootstrap(), &unique("g")),
-                &[topic.as_str()],
                 pool,
-                config,
-                |_: &Event<serde_json::Value>, _tx| Box::pin(async { Ok(()) }),
-                shutdown,
+                nothing,
             )
+            .topics([topic])
+            .config(config)
+            .run(shutdown)
             .await
         }
     });

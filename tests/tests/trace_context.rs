@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use opentelemetry::trace::{SpanId, TraceContextExt, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
+use outbox_consumer::{Event, boxed, consumer_config, dedup_consume};
 use outbox_core::trace::TraceParent;
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
 use outbox_tests::{TestDb, eventually, kafka_bootstrap, random_topic, read_all, unique};
@@ -105,26 +105,26 @@ async fn consumer_span_continues_the_trace_that_decided_the_event() -> Result<()
             Arc::clone(&seen),
         );
         async move {
+            let handler = boxed(move |event: &Event<serde_json::Value>, _conn| {
+                let trace = tracing::Span::current()
+                    .context()
+                    .span()
+                    .span_context()
+                    .trace_id();
+                let seen = Arc::clone(&seen);
+                let key = event.key.clone();
+                Box::pin(async move {
+                    seen.lock().expect("not poisoned").insert(key, trace);
+                    Ok(())
+                })
+            });
             dedup_consume(
                 &consumer_config(&kafka_bootstrap(), &unique("g")),
-                &[topic.as_str()],
                 pool,
-                ConsumerConfig::default(),
-                move |event: &Event<serde_json::Value>, _tx| {
-                    let trace = tracing::Span::current()
-                        .context()
-                        .span()
-                        .span_context()
-                        .trace_id();
-                    let seen = Arc::clone(&seen);
-                    let key = event.key.clone();
-                    Box::pin(async move {
-                        seen.lock().expect("not poisoned").insert(key, trace);
-                        Ok(())
-                    })
-                },
-                shutdown,
+                handler,
             )
+            .topics([topic])
+            .run(shutdown)
             .await
         }
     });

@@ -14,7 +14,8 @@ pub enum CrashPoint {
     AfterCommit,
     /// Kafka acknowledged the event; the relay has not marked the row published.
     AfterPublish,
-    /// The billing handler charged the card; its transaction has not committed.
+    /// The billing handler charged the card and enqueued its follow-up; its transaction has
+    /// not committed.
     InHandler,
     /// The handler's transaction committed; the Kafka offset is not stored.
     AfterHandlerCommit,

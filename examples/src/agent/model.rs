@@ -27,6 +27,20 @@ pub struct SendInvoice {
     pub cents: i64,
 }
 
+/// What the billing handler decides once it has charged: a follow-up event, enqueued on the
+/// handler's transaction, so it exists exactly when the charge is recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InvoiceCharged {
+    /// The task the charge belongs to.
+    pub task: String,
+    /// The invoice number.
+    pub invoice: String,
+    /// The billing service's charge id.
+    pub charge_id: i64,
+    /// How much, in cents.
+    pub cents: i64,
+}
+
 /// The model. Every invocation is recorded outside any transaction, like the bill of a real
 /// model API, so a crash cannot hide a call.
 #[derive(Debug, Clone)]

@@ -26,6 +26,11 @@ pub struct Scenario {
     pub worker_exe: std::path::PathBuf,
 }
 
+/// The topic the billing handler's follow-up events go to, next to the decisions' `topic`.
+pub fn charged_topic(topic: &str) -> String {
+    format!("{topic}.charged")
+}
+
 /// What one task looks like at the end.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct TaskReport {
@@ -41,6 +46,10 @@ pub struct TaskReport {
     pub billing_requests: i64,
     /// How many charges the billing service made for it.
     pub charges: i64,
+    /// How many `InvoiceCharged` follow-ups the billing handler enqueued for it.
+    pub follow_ups: i64,
+    /// How many receipts the downstream consumer recorded for it.
+    pub receipts: i64,
     /// Whether the task, its event and its charge point at each other.
     pub consistent: bool,
 }
@@ -54,6 +63,7 @@ impl Scenario {
         let topic = format!("agent.invoices.{run}");
         let group = format!("billing-{run}");
         create_topic(&self.brokers, &topic).await?;
+        create_topic(&self.brokers, &charged_topic(&topic)).await?;
 
         if let Some(point) = crash {
             let status = self.worker(&topic, &group, Some(point)).await?;
@@ -106,9 +116,11 @@ async fn task_reports(pool: &PgPool) -> Result<Vec<TaskReport>> {
     Ok(sqlx::query_as(
         "SELECT t.id, t.state,
             (SELECT count(*) FROM model_calls m WHERE m.task = t.id) AS model_calls,
-            (SELECT count(*) FROM outbox_events o WHERE o.aggregateid = 'INV-' || t.id) AS decisions,
+            (SELECT count(*) FROM outbox_events o WHERE o.aggregateid = 'INV-' || t.id AND o.type = 'SendInvoice') AS decisions,
             (SELECT count(*) FROM billing_requests r WHERE r.invoice = 'INV-' || t.id) AS billing_requests,
             (SELECT count(*) FROM billing_charges c WHERE c.invoice = 'INV-' || t.id) AS charges,
+            (SELECT count(*) FROM outbox_events o WHERE o.aggregateid = 'INV-' || t.id AND o.type = 'InvoiceCharged') AS follow_ups,
+            (SELECT count(*) FROM agent_receipts r WHERE r.invoice = 'INV-' || t.id) AS receipts,
             EXISTS (SELECT 1 FROM outbox_events o JOIN billing_charges c
                       ON c.idempotency_key = o.id::text AND c.charge_id = t.charge_id
                     WHERE o.id = t.event_id) AS consistent
@@ -142,6 +154,13 @@ fn check(report: &[TaskReport], crash: Option<CrashPoint>) -> Result<()> {
             task.charges
         );
         ensure!(
+            task.follow_ups == 1 && task.receipts == 1,
+            "{}: {} InvoiceCharged follow-ups enqueued, {} receipts recorded (one each expected)",
+            task.id,
+            task.follow_ups,
+            task.receipts
+        );
+        ensure!(
             task.model_calls == task.decisions + lost_decisions,
             "{}: the model was asked {}x for {} committed decision(s)",
             task.id,
@@ -159,11 +178,20 @@ fn check(report: &[TaskReport], crash: Option<CrashPoint>) -> Result<()> {
 
 /// Prints the end state as a table.
 pub fn print_report(report: &[TaskReport]) {
-    println!("   task  state    model calls  decisions  billing requests  charges");
+    println!(
+        "   task  state    model calls  decisions  billing requests  charges  follow-ups  receipts"
+    );
     for t in report {
         println!(
-            "   {:<5} {:<8} {:>11}  {:>9}  {:>16}  {:>7}",
-            t.id, t.state, t.model_calls, t.decisions, t.billing_requests, t.charges
+            "   {:<5} {:<8} {:>11}  {:>9}  {:>16}  {:>7}  {:>10}  {:>8}",
+            t.id,
+            t.state,
+            t.model_calls,
+            t.decisions,
+            t.billing_requests,
+            t.charges,
+            t.follow_ups,
+            t.receipts
         );
     }
 }

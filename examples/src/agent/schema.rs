@@ -15,6 +15,10 @@ const TABLES: &[&str] = &[
     "CREATE TABLE billing_charges (
         charge_id BIGSERIAL PRIMARY KEY, idempotency_key TEXT NOT NULL UNIQUE,
         invoice TEXT NOT NULL, cents BIGINT NOT NULL)",
+    // What the receipts consumer did with each InvoiceCharged event. No unique constraint: a
+    // second receipt for one invoice would show.
+    "CREATE TABLE agent_receipts (
+        seq BIGSERIAL PRIMARY KEY, invoice TEXT NOT NULL, charge_id BIGINT NOT NULL)",
 ];
 
 /// The tasks every run starts with.

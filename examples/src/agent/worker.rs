@@ -1,20 +1,22 @@
-//! One process of the agent service: the agent loop, the relay and the billing consumer.
+//! One process of the agent service: the agent loop, the relay, the billing consumer and the
+//! receipts consumer downstream of it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use outbox_consumer::{
-    ConsumerConfig, ConsumerError, DedupConsumer, Event, consumer_config, stream_consumer,
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, Handler, HandlerError, consumer_config,
+    dedup_consume, stream_consumer,
 };
 use outbox_producer::{NewEvent, Outbox, ProducerError, Relay, RelayConfig, producer_config};
 use rdkafka::consumer::Consumer;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::billing::Billing;
 use super::crash::{CrashPoint, CrashSwitch, die};
-use super::model::{Model, SendInvoice, Task};
+use super::model::{InvoiceCharged, Model, SendInvoice, Task};
 
 /// Where the worker finds its services, and where it may crash.
 #[derive(Debug, Clone)]
@@ -23,6 +25,8 @@ pub struct WorkerConfig {
     pub brokers: String,
     /// The topic decisions are published to.
     pub topic: String,
+    /// The topic the billing handler's follow-up events (`InvoiceCharged`) go to.
+    pub charged_topic: String,
     /// The billing consumer's group (and dedup name).
     pub group: String,
     /// How long to wait for every task to be charged.
@@ -46,7 +50,7 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
             other => bail!("the relay was meant to crash after publishing: {other:?}"),
         }
     }
-    let consumer = billing_consumer(pool.clone(), &config.group, &crash)?;
+    let consumer = billing_consumer(pool.clone(), &config.group, &config.charged_topic, &crash)?;
     if crash.is_armed(CrashPoint::AfterHandlerCommit) {
         consumer.crash_after_next_commit();
     }
@@ -57,6 +61,14 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
             .set("heartbeat.interval.ms", "1000"),
     )?;
     stream.subscribe(&[config.topic.as_str()])?;
+    let receipts = dedup_consume(
+        consumer_config(&config.brokers, &format!("{}-receipts", config.group))
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "1000"),
+        pool.clone(),
+        record_receipt,
+    )
+    .topics([config.charged_topic.as_str()]);
 
     let shutdown = CancellationToken::new();
     let mut relaying = tokio::spawn({
@@ -67,6 +79,7 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
         let shutdown = shutdown.clone();
         async move { consumer.run(stream, shutdown).await }
     });
+    let mut receipting = tokio::spawn(receipts.run(shutdown.clone()));
     let done = tokio::select! {
         done = all_charged(&pool, config.deadline) => done,
         ended = &mut consuming => match ended? {
@@ -74,9 +87,11 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
             other => bail!("the billing consumer stopped early: {other:?}"),
         },
         ended = &mut relaying => bail!("the relay stopped early: {:?}", ended?),
+        ended = &mut receipting => bail!("the receipts consumer stopped early: {:?}", ended?),
     };
     shutdown.cancel();
     relaying.await??;
+    receipting.await??;
     match consuming.await? {
         // The crash fired on one partition while the other partitions' workers charged the
         // rest, so every task was charged before the consumer's run loop reported it.
@@ -119,52 +134,95 @@ async fn decide_pending_tasks(pool: &PgPool, topic: &str, crash: &CrashSwitch) -
 fn billing_consumer(
     pool: PgPool,
     group: &str,
+    charged_topic: &str,
     crash: &Arc<CrashSwitch>,
-) -> Result<DedupConsumer<SendInvoice, impl outbox_consumer::Handler<SendInvoice>>> {
-    let billing = Billing::new(pool.clone());
-    let crash = Arc::clone(crash);
-    DedupConsumer::new(pool, ConsumerConfig::new(group), move |event, tx| {
-        Box::pin(charge(event, tx, billing.clone(), Arc::clone(&crash)))
-    })
-    .context("creating the billing consumer")
+) -> Result<DedupConsumer<SendInvoice, Charger>> {
+    let charger = Charger {
+        billing: Billing::new(pool.clone()),
+        crash: Arc::clone(crash),
+        charged_topic: charged_topic.to_owned(),
+    };
+    // One partition at a time: a crash point then stops the only handler running, and the
+    // demo's counts (a repeated billing request only for the handler that died) are exact.
+    let config = ConsumerConfig::new(group).max_concurrent_partitions(1);
+    DedupConsumer::new(pool, config, charger).context("creating the billing consumer")
 }
 
-/// The billing tool call: charge, then record the charge in the agent's state on the
-/// handler's transaction (the one the dedup row commits with).
-async fn charge(
-    event: &Event<SendInvoice>,
-    tx: &mut Transaction<'static, Postgres>,
+/// The billing handler: what it needs to make the tool call and announce it.
+struct Charger {
     billing: Billing,
     crash: Arc<CrashSwitch>,
-) -> Result<(), outbox_consumer::HandlerError> {
-    let charge_id = billing
-        .charge(&event.idempotency_key(), &event.payload)
-        .await?;
-    crash.reached(CrashPoint::InHandler);
-    sqlx::query("UPDATE agent_tasks SET state = 'charged', charge_id = $2 WHERE id = $1")
-        .bind(&event.payload.task)
-        .bind(charge_id)
-        .execute(&mut **tx)
+    charged_topic: String,
+}
+
+impl Handler<SendInvoice> for Charger {
+    /// Charge, then record the charge in the agent's state and enqueue `InvoiceCharged`, both
+    /// on the handler's connection: the transaction the dedup row commits with. A redelivery
+    /// is a duplicate, so the follow-up is enqueued once; a crash before the commit undoes
+    /// both, and the retry enqueues it then. Consume → decide → enqueue, once.
+    async fn handle(
+        &self,
+        event: &Event<SendInvoice>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let charge_id = self
+            .billing
+            .charge(&event.idempotency_key(), &event.payload)
+            .await?;
+        sqlx::query("UPDATE agent_tasks SET state = 'charged', charge_id = $2 WHERE id = $1")
+            .bind(&event.payload.task)
+            .bind(charge_id)
+            .execute(&mut *conn)
+            .await?;
+        let charged = InvoiceCharged {
+            task: event.payload.task.clone(),
+            invoice: event.payload.invoice.clone(),
+            charge_id,
+            cents: event.payload.cents,
+        };
+        let follow_up = NewEvent::new("invoice", &charged.invoice, "InvoiceCharged", &charged)?
+            .with_topic(&self.charged_topic)?;
+        outbox_producer::enqueue(conn, &follow_up).await?;
+        // Dying here, everything the handler wrote is undone with its transaction: the
+        // follow-up too, which the retry enqueues again, once.
+        self.crash.reached(CrashPoint::InHandler);
+        Ok(())
+    }
+}
+
+/// The receipts consumer, downstream of billing: a plain `async fn` handler.
+async fn record_receipt(
+    event: &Event<InvoiceCharged>,
+    conn: &mut PgConnection,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO agent_receipts (invoice, charge_id) VALUES ($1, $2)")
+        .bind(&event.payload.invoice)
+        .bind(event.payload.charge_id)
+        .execute(conn)
         .await?;
     Ok(())
 }
 
-/// Waits until every task is charged and nothing is left pending in the outbox.
+/// Waits until every task is charged and has its receipt, and nothing is left pending in the
+/// outbox.
 async fn all_charged(pool: &PgPool, deadline: Duration) -> Result<()> {
     let give_up = tokio::time::Instant::now() + deadline;
     loop {
-        let open: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM agent_tasks WHERE state <> 'charged'")
-                .fetch_one(pool)
-                .await?;
+        let (open, unreceipted): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM agent_tasks WHERE state <> 'charged'),
+                    (SELECT count(*) FROM agent_tasks t WHERE NOT EXISTS
+                       (SELECT 1 FROM agent_receipts r WHERE r.invoice = 'INV-' || t.id))",
+        )
+        .fetch_one(pool)
+        .await?;
         let stats =
             outbox_producer::stats(&mut *pool.acquire().await?, &Default::default()).await?;
-        if open == 0 && stats.pending == 0 {
+        if open == 0 && unreceipted == 0 && stats.pending == 0 {
             return Ok(());
         }
         if tokio::time::Instant::now() > give_up {
             bail!(
-                "{open} tasks still not charged, {} events pending after {deadline:?}",
+                "{open} tasks not charged, {unreceipted} without a receipt, {} events pending after {deadline:?}",
                 stats.pending
             );
         }

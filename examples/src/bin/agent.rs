@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
-use outbox_examples::agent::scenario::{Scenario, print_report};
+use outbox_examples::agent::scenario::{Scenario, charged_topic, print_report};
 use outbox_examples::agent::worker::{self, WorkerConfig};
 use outbox_examples::agent::{CrashPoint, schema};
 
@@ -105,6 +105,7 @@ async fn main() -> Result<()> {
         let pool = schema::connect(&args.services.database_url, &args.schema, 8).await?;
         let config = WorkerConfig {
             brokers: args.services.brokers,
+            charged_topic: charged_topic(&topic),
             topic,
             group,
             deadline: Duration::from_secs(120),

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_consumer::{
-    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFailurePolicy, consumer_config,
-    stream_consumer,
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerFailurePolicy, boxed,
+    consumer_config, stream_consumer,
 };
 use rand::Rng;
 use rdkafka::consumer::Consumer;
@@ -48,19 +48,22 @@ pub(crate) async fn run(args: Args) -> Result<()> {
     let sabotage = std::env::var("CHAOS_SABOTAGE").is_ok_and(|v| v == "double-effect");
     let group: Arc<str> = args.group.as_str().into();
     let member: Arc<str> = args.common.label.as_str().into();
-    let consumer = DedupConsumer::new(pool, config, move |event: &Event<ChaosPayload>, tx| {
-        let (group, member) = (Arc::clone(&group), Arc::clone(&member));
-        Box::pin(async move {
-            // A short random pause, so that kills land inside handlers.
-            let pause = Duration::from_micros(rand::rng().random_range(0..=3000));
-            tokio::time::sleep(pause).await;
-            let times = if sabotage && event.id.as_uuid().as_bytes()[15] == 0 {
-                2
-            } else {
-                1
-            };
-            for _ in 0..times {
-                sqlx::query(
+    let consumer = DedupConsumer::new(
+        pool,
+        config,
+        boxed(move |event: &Event<ChaosPayload>, conn| {
+            let (group, member) = (Arc::clone(&group), Arc::clone(&member));
+            Box::pin(async move {
+                // A short random pause, so that kills land inside handlers.
+                let pause = Duration::from_micros(rand::rng().random_range(0..=3000));
+                tokio::time::sleep(pause).await;
+                let times = if sabotage && event.id.as_uuid().as_bytes()[15] == 0 {
+                    2
+                } else {
+                    1
+                };
+                for _ in 0..times {
+                    sqlx::query(
                     "INSERT INTO chaos_effects (consumer, member, event_id, key, version, partition, kafka_offset) \
                      VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 )
@@ -71,12 +74,13 @@ pub(crate) async fn run(args: Args) -> Result<()> {
                 .bind(event.payload.version)
                 .bind(event.partition)
                 .bind(event.offset)
-                .execute(&mut **tx)
+                .execute(&mut *conn)
                 .await?;
-            }
-            Ok(())
-        })
-    })?;
+                }
+                Ok(())
+            })
+        }),
+    )?;
     let mut kafka = consumer_config(&args.common.brokers, &args.group);
     kafka
         .set("client.id", &args.common.label)

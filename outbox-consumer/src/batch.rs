@@ -1,0 +1,348 @@
+//! A partition's batch: the messages queued when its worker got its turn, handled on one
+//! transaction. Their ids go into the dedup table in one statement (`ON CONFLICT DO NOTHING
+//! RETURNING`): the ids returned are new, and their handlers run in offset order on that
+//! transaction; one COMMIT covers them all, then the ids are cached (the caller stores the
+//! offsets). Records that break the contract are quarantined on the same transaction.
+//!
+//! A failing handler must take no other message's effect with it and let none commit twice.
+//! A savepoint per message would cost two more statements per message on every batch, failing
+//! or not; instead the batch is rolled back and replayed: the messages before the failing one
+//! as a batch again, the failing one alone under the failure policy (its failed run counted as
+//! its first attempt), the rest as a new batch. A batch whose COMMIT (or one of the consumer's
+//! own statements) the database rejects does not say which message is at fault, so each of its
+//! messages is replayed alone, and the one at fault fails alone.
+
+use std::collections::HashSet;
+
+use rdkafka::Message;
+use rdkafka::message::OwnedMessage;
+use serde::de::DeserializeOwned;
+use sqlx::{Postgres, Transaction};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::consumer::bump;
+use crate::decode::{self, Rejected};
+use crate::dedup_transaction::run_handler;
+use crate::failure::{AttemptError, is_unavailable};
+use crate::permit::Turn;
+use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
+
+/// A message, decoded.
+enum Item<P> {
+    Rejected(Rejected),
+    Cached,
+    Event(Event<P>),
+}
+
+/// A failed attempt: the quarantine reason, the error, whether retrying could help.
+type Failure = (&'static str, String, bool);
+
+/// Why a batch did not commit (it was rolled back).
+enum BatchFailure {
+    /// The handler of the message at this index (in the batch) failed.
+    Handler(usize, Failure),
+    /// The database rejected the batch itself (its COMMIT, or one of the consumer's own
+    /// statements): which message is at fault is unknown.
+    Rejected,
+    /// The database cannot be reached.
+    Unavailable(sqlx::Error),
+}
+
+impl BatchFailure {
+    fn from_statement(error: sqlx::Error) -> Self {
+        if is_unavailable(&error) {
+            Self::Unavailable(error)
+        } else {
+            tracing::warn!(%error, "batch rejected by the database; replaying its messages one at a time");
+            Self::Rejected
+        }
+    }
+}
+
+impl<P, H> DedupConsumer<P, H>
+where
+    P: DeserializeOwned + Send + Sync + 'static,
+    H: Handler<P>,
+{
+    /// Handles `messages` (one partition's, in offset order) and returns their outcomes in
+    /// order, ending early after an [`Outcome::Abandoned`] one. Once `owned` says the
+    /// partition was revoked, no further message is handled: the rest are
+    /// [`Outcome::Revoked`]. `Err` when the database cannot be reached: what had committed
+    /// before stays committed (a retry finds it deduplicated), nothing is skipped.
+    pub(crate) async fn handle_batch(
+        &self,
+        messages: &[OwnedMessage],
+        shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
+        owned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<Vec<Outcome>, ConsumerError> {
+        let started = std::time::Instant::now();
+        let items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
+        let n = items.len();
+        let mut outcomes = Vec::with_capacity(n);
+        let mut start = 0;
+        // A handler that failed in a batch: where, and how. Its message is next handled alone.
+        let mut failed: Option<(usize, Failure)> = None;
+        while start < n {
+            if !owned() {
+                outcomes.resize(n, Outcome::Revoked);
+                break;
+            }
+            if let Some((_, failure)) = failed.take_if(|(at, _)| *at == start) {
+                let outcome = self
+                    .alone(
+                        &messages[start],
+                        &items[start],
+                        shutdown,
+                        turn,
+                        Some(failure),
+                    )
+                    .await?;
+                start += 1;
+                let abandoned = outcome == Outcome::Abandoned;
+                outcomes.push(outcome);
+                if abandoned {
+                    break;
+                }
+                continue;
+            }
+            let end = failed.as_ref().map_or(n, |(at, _)| *at);
+            match self
+                .try_batch(&messages[start..end], &items[start..end], owned)
+                .await
+            {
+                // Ended early: the partition was revoked (seen at the loop's top).
+                Ok(done) => {
+                    start += done.len();
+                    outcomes.extend(done);
+                }
+                Err(BatchFailure::Unavailable(error)) => return Err(error.into()),
+                Err(BatchFailure::Handler(index, failure)) => {
+                    failed = Some((start + index, failure));
+                }
+                Err(BatchFailure::Rejected) => {
+                    while start < end && owned() {
+                        let outcome = self
+                            .alone(&messages[start], &items[start], shutdown, turn, None)
+                            .await?;
+                        let abandoned = outcome == Outcome::Abandoned;
+                        outcomes.push(outcome);
+                        if abandoned {
+                            return Ok(self.metered(outcomes, started));
+                        }
+                        start += 1;
+                    }
+                }
+            }
+        }
+        Ok(self.metered(outcomes, started))
+    }
+
+    fn metered(&self, outcomes: Vec<Outcome>, started: std::time::Instant) -> Vec<Outcome> {
+        let name = &self.inner.name;
+        let seconds = started.elapsed().as_secs_f64();
+        for outcome in &outcomes {
+            crate::consumer::record_metric(name, outcome);
+            metrics::histogram!("outbox_consumer_message_seconds", "consumer" => name.clone())
+                .record(seconds);
+        }
+        outcomes
+    }
+
+    fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
+        let inner = &*self.inner;
+        match decode::decode(&inner.config, message) {
+            Err(rejected) => Item::Rejected(rejected),
+            Ok(event) if inner.cache.contains_key(event.id.as_uuid()) => {
+                bump(&inner.counters.duplicates_cached);
+                tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");
+                Item::Cached
+            }
+            Ok(event) => Item::Event(event),
+        }
+    }
+
+    /// One message on its own transaction, retried under the failure policy.
+    async fn alone(
+        &self,
+        message: &OwnedMessage,
+        item: &Item<P>,
+        shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
+        failed: Option<Failure>,
+    ) -> Result<Outcome, ConsumerError> {
+        match item {
+            Item::Cached => Ok(Outcome::DuplicateCached),
+            Item::Rejected(Rejected {
+                reason,
+                error,
+                event_id,
+            }) => self.quarantine(message, *event_id, reason, error).await,
+            Item::Event(event) => {
+                self.handle_until_done(message, event, shutdown, turn, failed)
+                    .instrument(span::message_span(&self.inner.name, message))
+                    .await
+            }
+        }
+    }
+
+    /// One transaction for every message of `items` (up to where `owned` turns false), or
+    /// none.
+    async fn try_batch(
+        &self,
+        messages: &[OwnedMessage],
+        items: &[Item<P>],
+        owned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<Vec<Outcome>, BatchFailure> {
+        let inner = &*self.inner;
+        let mut ids: Vec<Uuid> = Vec::with_capacity(items.len());
+        let mut seen = HashSet::with_capacity(items.len());
+        for item in items {
+            if let Item::Event(event) = item
+                && seen.insert(*event.id.as_uuid())
+            {
+                ids.push(*event.id.as_uuid());
+            }
+        }
+        if ids.is_empty() && !items.iter().any(|i| matches!(i, Item::Rejected(_))) {
+            return Ok(vec![Outcome::DuplicateCached; items.len()]);
+        }
+        let mut tx = inner
+            .pool
+            .begin()
+            .await
+            .map_err(BatchFailure::from_statement)?;
+        bump(&inner.counters.transactions);
+        let new: HashSet<Uuid> = if ids.is_empty() {
+            HashSet::new()
+        } else {
+            sqlx::query_scalar(inner.sql.insert_dedup_batch.clone())
+                .bind(&inner.name)
+                .bind(&ids)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(BatchFailure::from_statement)?
+                .into_iter()
+                .collect()
+        };
+        let outcomes = match self.run_items(&mut tx, messages, items, &new, owned).await {
+            Ok(outcomes) => outcomes,
+            Err(failure) => {
+                // Dropping the transaction would roll it back too, but later: the connection
+                // goes back to the pool clean, or the outage is known now.
+                if let Err(error) = tx.rollback().await
+                    && is_unavailable(&error)
+                {
+                    return Err(BatchFailure::Unavailable(error));
+                }
+                return Err(failure);
+            }
+        };
+        tx.commit().await.map_err(BatchFailure::from_statement)?;
+        self.committed(messages, items, &outcomes).await;
+        Ok(outcomes)
+    }
+
+    /// Every message's statements, in offset order: the handlers of the ids `new` holds (once
+    /// each), the quarantine rows of rejected records. Stops before the first message found
+    /// revoked (`owned`): the dedup rows of those not handled are deleted again.
+    async fn run_items(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        messages: &[OwnedMessage],
+        items: &[Item<P>],
+        new: &HashSet<Uuid>,
+        owned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<Vec<Outcome>, BatchFailure> {
+        let inner = &*self.inner;
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut handled = HashSet::with_capacity(new.len());
+        for (index, (message, item)) in messages.iter().zip(items).enumerate() {
+            if !owned() {
+                let unhandled: Vec<Uuid> = new.difference(&handled).copied().collect();
+                sqlx::query(inner.sql.delete_dedup_batch.clone())
+                    .bind(&inner.name)
+                    .bind(&unhandled)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(BatchFailure::from_statement)?;
+                break;
+            }
+            let outcome = match item {
+                Item::Cached => Outcome::DuplicateCached,
+                Item::Rejected(rejected) => {
+                    self.record_rejected(tx, message, rejected).await?;
+                    Outcome::Quarantined(rejected.reason)
+                }
+                Item::Event(event)
+                    if new.contains(event.id.as_uuid()) && handled.insert(*event.id.as_uuid()) =>
+                {
+                    run_handler(&inner.handler, event, tx)
+                        .instrument(span::message_span(&inner.name, message))
+                        .await
+                        .map_err(|error| match AttemptError::from_handler(error) {
+                            AttemptError::Unavailable(error) => BatchFailure::Unavailable(error),
+                            AttemptError::Failed {
+                                reason,
+                                error,
+                                retry,
+                            } => BatchFailure::Handler(index, (reason, error, retry)),
+                        })?;
+                    Outcome::Processed
+                }
+                Item::Event(_) => Outcome::DuplicateStored,
+            };
+            outcomes.push(outcome);
+        }
+        Ok(outcomes)
+    }
+
+    async fn record_rejected(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        message: &OwnedMessage,
+        rejected: &Rejected,
+    ) -> Result<(), BatchFailure> {
+        let inner = &*self.inner;
+        quarantine::record(
+            tx,
+            inner.sql.quarantine.clone(),
+            &inner.name,
+            message,
+            rejected.event_id,
+            rejected.reason,
+            &rejected.error,
+        )
+        .await
+        .map_err(BatchFailure::from_statement)
+    }
+
+    /// After the batch's COMMIT: remember its ids, count and log what it did.
+    async fn committed(&self, messages: &[OwnedMessage], items: &[Item<P>], outcomes: &[Outcome]) {
+        let inner = &*self.inner;
+        for ((message, item), outcome) in messages.iter().zip(items).zip(outcomes) {
+            match (item, outcome) {
+                (Item::Event(event), Outcome::Processed) => {
+                    inner.cache.insert(*event.id.as_uuid(), ()).await;
+                    bump(&inner.counters.processed);
+                    tracing::debug!(consumer = %inner.name, event_id = %event.id, topic = %event.topic,
+                        partition = event.partition, offset = event.offset, "processed");
+                }
+                (Item::Event(event), _) => {
+                    inner.cache.insert(*event.id.as_uuid(), ()).await;
+                    bump(&inner.counters.duplicates_stored);
+                    tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (dedup table)");
+                }
+                (Item::Rejected(rejected), _) => {
+                    bump(&inner.counters.quarantined);
+                    tracing::error!(consumer = %inner.name, topic = message.topic(),
+                        partition = message.partition(), offset = message.offset(),
+                        reason = rejected.reason, error = %rejected.error, "quarantined message");
+                }
+                (Item::Cached, _) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,352 @@
+//! Batches: one transaction for what a partition has queued, and a failing handler that takes
+//! no other message with it. Real Postgres; the run-loop tests also the real broker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_consumer::{
+    ConsumerConfig, ConsumerError, DedupConsumer, Event, HandlerError, HandlerFailurePolicy,
+    Outcome, boxed, consumer_config, dedup_consume, stream_consumer,
+};
+use outbox_core::EventId;
+use outbox_tests::{
+    TestDb, event_message, eventually, kafka_bootstrap, produce_raw, random_topic, unique,
+};
+use rdkafka::consumer::Consumer;
+use rdkafka::message::OwnedMessage;
+use serde::Deserialize;
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Deserialize)]
+struct Step {
+    n: i64,
+}
+
+async fn effects_table(pool: &PgPool) -> Result<()> {
+    // No unique constraint: a double effect must show as a second row; `seq` is the order in
+    // which effects were written.
+    sqlx::query("CREATE TABLE effects (seq BIGSERIAL, n BIGINT)")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+async fn record(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+        .bind(event.payload.n)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The effects, in the order they were written.
+async fn effects(pool: &PgPool) -> Result<Vec<i64>> {
+    Ok(sqlx::query_scalar("SELECT n FROM effects ORDER BY seq")
+        .fetch_all(pool)
+        .await?)
+}
+
+fn batch(n: i64) -> (Vec<EventId>, Vec<OwnedMessage>) {
+    let ids: Vec<EventId> = (0..n).map(|_| EventId::new()).collect();
+    let messages = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| event_message("t", i as i64, *id, &format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    (ids, messages)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_one_transaction_and_its_duplicates_and_rejects_are_sorted_in_it() -> Result<()>
+{
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (ids, mut messages) = batch(4);
+    // The second event again, and a record without an id, inside the batch.
+    messages.insert(2, event_message("t", 9, ids[1], r#"{"n":1}"#));
+    messages.insert(
+        3,
+        OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "t".into(),
+            rdkafka::Timestamp::NotAvailable,
+            0,
+            10,
+            None,
+        ),
+    );
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed,
+            Outcome::Processed,
+            Outcome::DuplicateStored,
+            Outcome::Quarantined("missing_id"),
+            Outcome::Processed,
+            Outcome::Processed,
+        ]
+    );
+    assert_eq!(c.stats().transactions, 1, "{:?}", c.stats());
+    assert_eq!(effects(&db.pool).await?, [0, 1, 2, 3]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_once_in_a_batch_takes_no_other_effect_and_doubles_none() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let failures = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let failures = Arc::clone(&failures);
+        boxed(move |event: &Event<Step>, conn| {
+            let fail = event.payload.n == 3 && failures.fetch_add(1, Ordering::SeqCst) == 0;
+            Box::pin(async move {
+                record(event, conn).await?;
+                if fail {
+                    return Err(HandlerError::retry("the fourth fails once, after writing"));
+                }
+                Ok(())
+            })
+        })
+    };
+    let config =
+        ConsumerConfig::new("c1").backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let c = DedupConsumer::new(db.pool.clone(), config, handler)?;
+    let (_, messages) = batch(8);
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(outcomes, vec![Outcome::Processed; 8]);
+    assert_eq!(
+        effects(&db.pool).await?,
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        "once each, in offset order"
+    );
+    let s = c.stats();
+    assert_eq!((s.processed, s.handler_errors), (8, 1), "{s:?}");
+    // The failed batch, the three before the failing one, the failing one alone, the rest.
+    assert_eq!(s.transactions, 4, "{s:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_failing_for_good_is_quarantined_alone_and_the_batch_goes_on() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let handler = boxed(|event: &Event<Step>, conn| {
+        Box::pin(async move {
+            record(event, conn).await?;
+            match event.payload.n {
+                2 => Err(HandlerError::retry("keeps failing")),
+                5 => Err(HandlerError::quarantine("can never be done")),
+                _ => Ok(()),
+            }
+        })
+    });
+    let config = ConsumerConfig::new("c1")
+        .max_attempts(3)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let c = DedupConsumer::new(db.pool.clone(), config, handler)?;
+    let (ids, messages) = batch(7);
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed,
+            Outcome::Processed,
+            Outcome::Quarantined("handler_failed"),
+            Outcome::Processed,
+            Outcome::Processed,
+            Outcome::Quarantined("handler_rejected"),
+            Outcome::Processed,
+        ]
+    );
+    assert_eq!(
+        effects(&db.pool).await?,
+        [0, 1, 3, 4, 6],
+        "failed effects undone"
+    );
+    // Three attempts of the one, a single one of the other: retrying it cannot help.
+    assert_eq!(c.stats().handler_errors, 4, "{:?}", c.stats());
+    let quarantined: Vec<(EventId, String)> = sqlx::query_as(
+        "SELECT event_id, reason FROM outbox_consumer_quarantine ORDER BY \"offset\"",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(
+        quarantined,
+        [
+            (ids[2], "handler_failed".to_owned()),
+            (ids[5], "handler_rejected".to_owned())
+        ]
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_saying_quarantine_is_not_retried_even_under_block() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    async fn reject(_: &Event<Step>, _: &mut PgConnection) -> Result<(), HandlerError> {
+        Err(HandlerError::quarantine("not a valid invoice"))
+    }
+    let config = ConsumerConfig::new("c1").on_handler_failure(HandlerFailurePolicy::Block);
+    let c = DedupConsumer::new(db.pool.clone(), config, reject)?;
+    let (_, messages) = batch(1);
+    let outcome = c.process(&messages[0], &CancellationToken::new()).await?;
+    assert_eq!(outcome, Outcome::Quarantined("handler_rejected"));
+    assert_eq!(c.stats().handler_errors, 1);
+    Ok(())
+}
+
+/// The crash the issue names: a batch committed, its offsets not stored. Its messages come
+/// again and are all duplicates; no effect is lost or doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_a_batchs_commit_and_its_offset_store_is_absorbed() -> Result<()> {
+    const N: i64 = 60;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let ids: Vec<EventId> = (0..N).map(|_| EventId::new()).collect();
+    for (n, id) in ids.iter().enumerate() {
+        let id = id.to_string();
+        let payload = format!(r#"{{"n":{n}}}"#);
+        produce_raw(
+            &topic,
+            Some(0),
+            Some("k"),
+            Some(payload.as_bytes()),
+            &[("id", id.as_bytes())],
+        )
+        .await?;
+    }
+    // The first message's handler waits until the partition's queue is full (the fetch is
+    // paused at 40): the batch holding event 30 then holds at least 40 messages (the first
+    // one, when they were all queued before it began, or the next).
+    let gate = CancellationToken::new();
+    let handler = {
+        let gate = gate.clone();
+        boxed(move |event: &Event<Step>, conn| {
+            let gate = gate.clone();
+            Box::pin(async move {
+                if event.payload.n == 0 {
+                    gate.cancelled().await;
+                }
+                record(event, conn).await?;
+                Ok(())
+            })
+        })
+    };
+    let config = ConsumerConfig::new("c1").max_queued_per_partition(40);
+    let c = DedupConsumer::new(db.pool.clone(), config.clone(), handler)?;
+    c.crash_after_commit_of(ids[30]);
+    let group = unique("g");
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &group))?;
+    stream.subscribe(&[topic.as_str()])?;
+    let run = tokio::spawn({
+        let c = c.clone();
+        async move { c.run(stream, CancellationToken::new()).await }
+    });
+    eventually("the partition's queue is full", WAIT, || async {
+        Ok(c.stats().partition_pauses > 0)
+    })
+    .await?;
+    gate.cancel();
+    let crashed = tokio::time::timeout(WAIT, run).await??;
+    assert!(
+        matches!(crashed, Err(ConsumerError::InjectedFault(_))),
+        "{crashed:?}"
+    );
+    let before = c.stats();
+    assert!(
+        before.processed >= 40 && before.transactions <= 2,
+        "a batch of at least 40 committed in one transaction: {before:?}"
+    );
+    let committed = effects(&db.pool).await?;
+    assert_eq!(committed, (0..before.processed as i64).collect::<Vec<_>>());
+
+    // Restarted in the same group: the crashed batch's offsets were never stored.
+    let restarted = DedupConsumer::new(db.pool.clone(), config, record)?;
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &group))?;
+    stream.subscribe(&[topic.as_str()])?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (c, shutdown) = (restarted.clone(), shutdown.clone());
+        async move { c.run(stream, shutdown).await }
+    });
+    eventually("every event has its effect", WAIT, || async {
+        Ok(effects(&db.pool).await?.len() as i64 >= N)
+    })
+    .await?;
+    eventually("the whole redelivery is handled", WAIT, || async {
+        let s = restarted.stats();
+        Ok(s.processed + s.duplicates_stored >= N as u64 - 1)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(effects(&db.pool).await?, (0..N).collect::<Vec<_>>());
+    let after = restarted.stats();
+    assert!(
+        after.duplicates_stored >= 40,
+        "the crashed batch came again, as duplicates: {after:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedup_consume_needs_a_topic_and_wraps_the_applications_client_context() -> Result<()> {
+    // The context is moved into the client; it reports through a shared counter.
+    #[derive(Clone, Default)]
+    struct Statistics(Arc<AtomicU32>);
+    impl rdkafka::ClientContext for Statistics {
+        fn stats_raw(&self, _: &[u8]) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let kafka = consumer_config(&kafka_bootstrap(), &unique("g"));
+    let none = dedup_consume(&kafka, db.pool.clone(), record)
+        .run(CancellationToken::new())
+        .await;
+    assert!(matches!(none, Err(ConsumerError::Config(_))), "{none:?}");
+
+    let shared = Statistics::default();
+    let topic = random_topic(1).await?;
+    let mut kafka = kafka;
+    kafka.set("statistics.interval.ms", "100");
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (pool, context, shutdown) = (db.pool.clone(), shared.clone(), shutdown.clone());
+        async move {
+            dedup_consume(&kafka, pool, record)
+                .topics([topic])
+                .context(context)
+                .run(shutdown)
+                .await
+        }
+    });
+    eventually(
+        "the application's context received statistics",
+        WAIT,
+        || async { Ok(shared.0.load(Ordering::SeqCst) >= 2) },
+    )
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    Ok(())
+}

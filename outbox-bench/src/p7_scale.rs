@@ -6,9 +6,9 @@
 //! large one is loaded with `INSERT ... SELECT generate_series` with its indexes dropped, then
 //! recreated from the definitions the migrations gave them (read back from `pg_indexes`) and
 //! checked identical, then `VACUUM ANALYZE`d. The statements measured are the framework's own:
-//! `stats()` and `prune_published()` are called; the claim's text is read back from
-//! `pg_prepared_statements` after a relay ran one batch, and executed as the relay does (in a
-//! transaction, rolled back so every sample claims the same rows). Plans (`EXPLAIN (ANALYZE,
+//! `stats()` and `prune_published()` are called; the claim's text is captured from sqlx's
+//! statement log while a relay runs one batch, then executed as the relay does (unnamed, in a
+//! transaction rolled back so every sample claims the same rows). Plans (`EXPLAIN (ANALYZE,
 //! BUFFERS)`, custom and generic) are written next to the JSON results (`p7_explain.txt`).
 //!
 //! Takes about 15 minutes with 10M + 10M rows (loading is most of it), ~8 GB of disk while it
@@ -18,6 +18,7 @@
 //! buffers): see the "P7" section of the README.
 
 use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -26,6 +27,7 @@ use outbox_producer::{
 };
 use outbox_tests::{TestDb, kafka_bootstrap};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
+use tracing::instrument::WithSubscriber;
 
 use crate::Settings;
 use crate::p2_relay::fill;
@@ -187,20 +189,61 @@ async fn load(db: &TestDb, pending: i64, published: i64) -> Result<Load> {
     })
 }
 
-/// The text of the statement prepared on `conn` that contains `marker`.
-async fn prepared(conn: &mut PgConnection, marker: &str) -> Result<String> {
-    sqlx::query_scalar(
-        "SELECT statement FROM pg_prepared_statements \
-         WHERE strpos(statement, $1) > 0 AND strpos(statement, 'pg_prepared_statements') = 0",
-    )
-    .bind(marker)
-    .fetch_one(conn)
-    .await
-    .with_context(|| format!("no prepared statement containing {marker:?}"))
+/// The statements sqlx ran while this subscriber was the current one: sqlx logs each
+/// statement's text (target `sqlx::query`, field `db.statement`), prepared or not.
+#[derive(Debug, Clone, Default)]
+struct Captured(Arc<Mutex<Vec<String>>>);
+
+impl Captured {
+    fn containing(&self, marker: &str) -> Result<String> {
+        let statements = self.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        statements
+            .iter()
+            .find(|s| s.contains(marker))
+            .cloned()
+            .with_context(|| format!("no statement containing {marker:?} ran"))
+    }
 }
 
-/// The framework's claim, stats and prune statements, read back from the connection that ran
-/// them (a one-connection pool).
+struct StatementField<'a>(&'a mut Option<String>);
+
+impl tracing::field::Visit for StatementField<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "db.statement" {
+            *self.0 = Some(value.trim().to_owned());
+        }
+    }
+
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl tracing::Subscriber for Captured {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.target() == "sqlx::query"
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut statement = None;
+        event.record(&mut StatementField(&mut statement));
+        if let (Some(s), Ok(mut all)) = (statement, self.0.lock()) {
+            all.push(s);
+        }
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// The framework's claim, stats and prune statements, as sqlx sent them.
 struct Statements {
     claim: String,
     stats: String,
@@ -215,14 +258,21 @@ async fn statements() -> Result<Statements> {
         &producer_config(&kafka_bootstrap()),
         RelayConfig::default().batch_size(CLAIM_BATCH).listen(false),
     )?;
-    relay.run_once_without_publishing().await?;
-    let mut conn = probe.pool.acquire().await?;
-    outbox_producer::stats(&mut conn, &TableNames::default()).await?;
-    outbox_producer::prune_published(&mut conn, &TableNames::default(), WEEK, PRUNE_BATCH).await?;
+    let captured = Captured::default();
+    async {
+        relay.run_once_without_publishing().await?;
+        let mut conn = probe.pool.acquire().await?;
+        outbox_producer::stats(&mut conn, &TableNames::default()).await?;
+        outbox_producer::prune_published(&mut conn, &TableNames::default(), WEEK, PRUNE_BATCH)
+            .await?;
+        anyhow::Ok(())
+    }
+    .with_subscriber(tracing::Dispatch::new(captured.clone()))
+    .await?;
     Ok(Statements {
-        claim: prepared(&mut conn, "claimed AS").await?,
-        stats: prepared(&mut conn, "oldest_pending_age_ms").await?,
-        prune: prepared(&mut conn, "DELETE FROM").await?,
+        claim: captured.containing("claimed AS")?,
+        stats: captured.containing("oldest_pending_age_ms")?,
+        prune: captured.containing("DELETE FROM")?,
     })
 }
 

@@ -271,23 +271,7 @@ async fn relay_rate(pool: &PgPool, relay: &Relay, topic: &str, events: usize) ->
         let (relay, shutdown) = (relay.clone(), shutdown.clone());
         async move { relay.run(shutdown).await }
     });
-    // As in P2: the last row published means (near) all, a primary-key probe; then the full
-    // check.
-    let last: i64 = sqlx::query_scalar("SELECT max(seq) FROM outbox_events")
-        .fetch_one(pool)
-        .await?;
-    for probe in [
-        "SELECT status = 'pending' FROM outbox_events WHERE seq = $1",
-        "SELECT EXISTS (SELECT 1 FROM outbox_events WHERE status = 'pending' AND seq <= $1)",
-    ] {
-        while sqlx::query_scalar::<_, bool>(probe)
-            .bind(last)
-            .fetch_one(pool)
-            .await?
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    p2_relay::wait_drained(pool).await?;
     let elapsed = started.elapsed();
     shutdown.cancel();
     running.await??;

@@ -66,7 +66,22 @@ impl Figure {
         baseline: Sample,
         min_ratio: Option<f64>,
     ) -> Self {
+        let target = min_ratio.map(|r| (format!("ratio >= {r}"), move |ratio: f64| ratio >= r));
+        Self::of_ratio(id, what, unit, measured, baseline_name, baseline, target)
+    }
+
+    /// median(measured) / median(baseline), with a target on that ratio, if any.
+    fn of_ratio(
+        id: &'static str,
+        what: impl Into<String>,
+        unit: &'static str,
+        measured: Sample,
+        baseline_name: impl Into<String>,
+        baseline: Sample,
+        target: Option<(String, impl Fn(f64) -> bool)>,
+    ) -> Self {
         let ratio = measured.median() / baseline.median();
+        let met = target.as_ref().map(|(_, met)| met(ratio));
         Self {
             id,
             what: what.into(),
@@ -75,8 +90,8 @@ impl Figure {
             baseline_name: baseline_name.into(),
             baseline,
             ratio,
-            target: min_ratio.map_or_else(|| "-".to_owned(), |r| format!("ratio >= {r}")),
-            met: min_ratio.map(|r| ratio >= r),
+            target: target.map_or_else(|| "-".to_owned(), |(text, _)| text),
+            met,
         }
     }
 
@@ -115,18 +130,8 @@ impl Figure {
         baseline: Sample,
         max_ratio: Option<f64>,
     ) -> Self {
-        let ratio = measured.median() / baseline.median();
-        Self {
-            id,
-            what: what.into(),
-            unit,
-            measured,
-            baseline_name: baseline_name.into(),
-            baseline,
-            ratio,
-            target: max_ratio.map_or_else(|| "-".to_owned(), |r| format!("ratio <= {r}")),
-            met: max_ratio.map(|r| ratio <= r),
-        }
+        let target = max_ratio.map(|r| (format!("ratio <= {r}"), move |ratio: f64| ratio <= r));
+        Self::of_ratio(id, what, unit, measured, baseline_name, baseline, target)
     }
 
     pub(crate) fn row(&self) -> String {

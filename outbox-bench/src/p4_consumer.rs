@@ -437,7 +437,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let relay = p2_relay::relay(&db.pool, settings)?;
     let producer: FutureProducer = producer_config(&kafka_bootstrap()).create()?;
 
-    let [mut dedup, mut batched, mut relayed, mut unpaused]: [Sample; 4] = Default::default();
+    let [mut dedup, mut batched, mut relayed]: [Sample; 3] = Default::default();
     let [
         mut p99_batched,
         mut p99_single,
@@ -448,7 +448,6 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let messages: Vec<OwnedMessage> = (0..2_000).map(message).collect();
     let default_config = ConsumerConfig::default;
     let single_config = || ConsumerConfig::default().max_batch_size(1);
-    let unpaused_config = || ConsumerConfig::default().max_queued_per_partition(events.max(1));
     for round in 0..settings.rounds {
         // The relay publishes this round's records (new ids), which both consumers then read;
         // which consumer goes first alternates.
@@ -464,11 +463,6 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         };
         dedup.push(dedup_rate_);
         batched.push(batched_rate_);
-        // Not a default: a queue no partition fills, so its fetch is never paused. What the
-        // default loses to pausing and resuming (see `stalled` in the round's line).
-        let (unpaused_rate, unpaused_shape) =
-            dedup_rate(&db.pool, &topic, n, unpaused_config()).await?;
-        unpaused.push(unpaused_rate);
 
         let ((batched_ms, batch_size), (single_ms, _)) = if round % 2 == 0 {
             let b = latencies(&db.pool, &producer, default_config(), settings).await?;
@@ -502,14 +496,12 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         };
         eprintln!(
             "P4 round {round}: dedup_consume {:.0} msg/s ({}), hand-written batched {:.0} ({}), \
-             never paused {:.0} ({}), relay {:.0}; latency at {RATE}/s p50/p99: default {:.1}/{:.1} ms \
+             relay {:.0}; latency at {RATE}/s p50/p99: default {:.1}/{:.1} ms \
              (mean batch {batch_size:.2}), per message {:.1}/{:.1} ms; duplicates: cache {:.0}, table {:.0} per s",
             dedup.values[round],
             shape(&dedup_shape),
             batched.values[round],
             shape(&batched_shape),
-            unpaused.values[round],
-            shape(&unpaused_shape),
             relayed.values[round],
             p50_batched.values[round],
             p99_batched.values[round],
@@ -553,15 +545,6 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             Some(0.85),
         ),
         absolute,
-        Figure::at_least(
-            "P4",
-            "dedup_consume, max_queued_per_partition=N",
-            "msg/s",
-            unpaused,
-            "hand-written batched, no dedup",
-            batched.clone(),
-            None,
-        ),
         Figure::at_least(
             "P4",
             "dedup_consume default, same events",

@@ -1,10 +1,12 @@
 //! Which partition assignment a fetched message belongs to. A message fetched before its
 //! partition was revoked must not be handled after the revocation: another member owns the
 //! partition by then and re-reads it from the committed offset, and if the partition comes
-//! back, a fresh fetch delivers the message again in order.
+//! back, a fresh fetch delivers the message again in order. The context also tells a running
+//! consumer of each rebalance as it happens (see `partition_stream.rs`).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::task::{Poll, Waker};
 
 use rdkafka::client::{DefaultClientContext, OAuthToken};
 use rdkafka::config::RDKafkaLogLevel;
@@ -21,25 +23,68 @@ use crate::ConsumerError;
 /// It wraps the application's own [`ClientContext`] (`C`), to which it forwards everything a
 /// client context does: logs, statistics, errors and OAUTHBEARER token refresh. Bring one
 /// with [`stream_consumer_with_context`] or [`DedupConsume::context`](crate::DedupConsume::context).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct DedupContext<C = DefaultClientContext> {
     /// Revocations per topic and partition.
     epochs: Mutex<HashMap<String, HashMap<i32, u64>>>,
+    /// Called before each rebalance takes effect, while a consumer runs.
+    watcher: Mutex<Option<Watcher>>,
+    /// Closed while a revocation takes effect (see [`Self::poll_at_epoch`]).
+    gate: Mutex<Gate>,
     inner: C,
 }
+
+#[derive(Debug, Default)]
+struct Gate {
+    revoking: bool,
+    waiting: Vec<Waker>,
+}
+
+/// What a running consumer does with a rebalance before it takes effect.
+pub(crate) type Watcher = Box<dyn Fn(&Rebalance<'_>) + Send + Sync>;
 
 impl<C> DedupContext<C> {
     /// Wraps `inner`.
     pub fn new(inner: C) -> Self {
         Self {
             epochs: Mutex::default(),
+            watcher: Mutex::default(),
+            gate: Mutex::default(),
             inner,
         }
+    }
+
+    /// Sets (or, with `None`, clears) what runs before each rebalance takes effect.
+    pub(crate) fn watch(&self, watcher: Option<Watcher>) {
+        *self.watcher.lock().unwrap_or_else(|p| p.into_inner()) = watcher;
     }
 
     /// The application's context.
     pub fn inner(&self) -> &C {
         &self.inner
+    }
+
+    /// Polls `take` (a non-blocking take from `topic`/`partition`'s own queue) and gives what
+    /// it took with the partition's revocation count at that moment, which is exact: no take
+    /// runs between a revocation's count and librdkafka's dropping of what the revoked
+    /// assignment had fetched (which happens inside the rebalance callback, between
+    /// [`ConsumerContext::pre_rebalance`] and [`ConsumerContext::post_rebalance`]). So a message
+    /// taken is either of the assignment its count names or of a later one, never of an earlier
+    /// one counted as current.
+    pub(crate) fn poll_at_epoch<T>(
+        &self,
+        cx: &mut std::task::Context<'_>,
+        topic: &str,
+        partition: i32,
+        take: impl FnOnce(&mut std::task::Context<'_>) -> Poll<T>,
+    ) -> Poll<(T, u64)> {
+        let mut gate = self.gate.lock().unwrap_or_else(|p| p.into_inner());
+        if gate.revoking {
+            gate.waiting.push(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let epoch = self.epoch(topic, partition);
+        take(cx).map(|taken| (taken, epoch))
     }
 
     /// How many times `topic`/`partition` has been revoked from this member.
@@ -50,6 +95,15 @@ impl<C> DedupContext<C> {
             .and_then(|partitions| partitions.get(&partition))
             .copied()
             .unwrap_or(0)
+    }
+}
+
+impl<C: std::fmt::Debug> std::fmt::Debug for DedupContext<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DedupContext")
+            .field("epochs", &self.epochs)
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
     }
 }
 
@@ -83,6 +137,9 @@ impl<C: ClientContext> ClientContext for DedupContext<C> {
 impl<C: ClientContext> ConsumerContext for DedupContext<C> {
     fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(partitions) = rebalance {
+            // Taken under the gate: a take in progress finishes first, and none starts until
+            // post_rebalance, after librdkafka dropped the revoked assignment's messages.
+            self.gate.lock().unwrap_or_else(|p| p.into_inner()).revoking = true;
             let mut epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
             for element in partitions.elements() {
                 *epochs
@@ -95,6 +152,21 @@ impl<C: ClientContext> ConsumerContext for DedupContext<C> {
                 revoked = partitions.count(),
                 "partitions revoked; their queued messages will be redelivered"
             );
+        }
+        // After the epochs moved, so a partition assigned now is seen at its new epoch.
+        if let Some(watcher) = &*self.watcher.lock().unwrap_or_else(|p| p.into_inner()) {
+            watcher(rebalance);
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(_) = rebalance {
+            let waiting = {
+                let mut gate = self.gate.lock().unwrap_or_else(|p| p.into_inner());
+                gate.revoking = false;
+                std::mem::take(&mut gate.waiting)
+            };
+            waiting.into_iter().for_each(Waker::wake);
         }
     }
 }

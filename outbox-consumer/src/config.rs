@@ -44,9 +44,6 @@ pub struct ConsumerConfig {
     pub on_handler_failure: HandlerFailurePolicy,
     /// Partitions processed concurrently (order within a partition always holds).
     pub max_concurrent_partitions: usize,
-    /// Messages queued per partition before its fetch is paused (it resumes at a quarter).
-    /// Bounds memory to about this many messages per partition; lower it for large payloads.
-    pub max_queued_per_partition: usize,
     /// Most messages of one partition handled in one transaction. A batch is what is queued
     /// when the partition's worker is ready; it never waits for more, so at low load a batch
     /// is one message and latency does not grow. `1` is one transaction per message.
@@ -100,11 +97,6 @@ impl ConsumerConfig {
         self.max_concurrent_partitions = n;
         self
     }
-    /// Sets [`Self::max_queued_per_partition`].
-    pub fn max_queued_per_partition(mut self, n: usize) -> Self {
-        self.max_queued_per_partition = n;
-        self
-    }
     /// Sets [`Self::max_batch_size`].
     pub fn max_batch_size(mut self, n: usize) -> Self {
         self.max_batch_size = n;
@@ -138,13 +130,10 @@ impl ConsumerConfig {
                 "cache_ttl must not exceed dedup_ttl, or the cache would outlive the dedup rows",
             );
         }
-        if self.max_attempts == 0
-            || self.max_concurrent_partitions == 0
-            || self.max_queued_per_partition == 0
-            || self.max_batch_size == 0
+        if self.max_attempts == 0 || self.max_concurrent_partitions == 0 || self.max_batch_size == 0
         {
             return bad(
-                "max_attempts, max_concurrent_partitions, max_queued_per_partition and max_batch_size must be at least 1",
+                "max_attempts, max_concurrent_partitions and max_batch_size must be at least 1",
             );
         }
         if self.backoff_base > self.backoff_max {
@@ -167,7 +156,6 @@ impl Default for ConsumerConfig {
             backoff_max: Duration::from_secs(30),
             on_handler_failure: HandlerFailurePolicy::default(),
             max_concurrent_partitions: 8,
-            max_queued_per_partition: 1024,
             max_batch_size: 256,
             max_payload_bytes: 1024 * 1024,
             event_types: None,

@@ -61,9 +61,6 @@ pub struct ConsumerStats {
     /// Queued messages dropped because their partition was revoked from this member before
     /// they were handled (the partition's next owner reads them again).
     pub revoked_skipped: u64,
-    /// Times a partition's fetch was paused because its queue was full
-    /// (`max_queued_per_partition`): how often this member fell behind.
-    pub partition_pauses: u64,
 }
 
 #[derive(Debug, Default)]
@@ -75,7 +72,6 @@ pub(crate) struct Counters {
     pub(crate) handler_errors: AtomicU64,
     pub(crate) transactions: AtomicU64,
     pub(crate) revoked_skipped: AtomicU64,
-    pub(crate) partition_pauses: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -223,16 +219,7 @@ where
             handler_errors: get(&c.handler_errors),
             transactions: get(&c.transactions),
             revoked_skipped: get(&c.revoked_skipped),
-            partition_pauses: get(&c.partition_pauses),
         }
-    }
-
-    /// Counts a partition whose fetch was paused (stats and metrics).
-    pub(crate) fn count_pause(&self) {
-        bump(&self.inner.counters.partition_pauses);
-        metrics::counter!("outbox_consumer_partition_pauses_total",
-            "consumer" => self.inner.name.clone())
-        .increment(1);
     }
 
     /// Makes the next committed message stop the consumer before its offset is stored, as a

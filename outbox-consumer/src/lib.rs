@@ -32,11 +32,12 @@
 //! - `prometheus`: `serve_metrics` serves the metrics on an HTTP endpoint.
 //! - `fault-injection`: crash hooks for tests; never in production.
 //!
-//! Handlers run beside the Kafka poll loop, so a slow handler never stops polling: once a
-//! partition has `max_queued_per_partition` messages queued (1,024 by default) its fetch is
-//! paused until the handler catches up, and
-//! the member keeps its partitions however long a handler (or a database outage) takes.
-//! Messages queued for a partition that a rebalance takes away are dropped, not handled: the
+//! Each assigned partition has its own librdkafka queue and worker, beside the Kafka poll
+//! loop, so a slow handler never stops polling: a partition whose handler falls behind is
+//! fetched no further once its queue holds `queued.min.messages` messages or
+//! `queued.max.messages.kbytes` (librdkafka's settings, which bound memory per partition),
+//! and the member keeps its partitions however long a handler (or a database outage) takes.
+//! Messages fetched for a partition that a rebalance takes away are dropped, not handled: the
 //! partition's new owner reads them from the committed offset.
 //!
 //! ```no_run
@@ -69,7 +70,7 @@ mod error;
 mod event;
 mod failure;
 mod handler;
-mod partition_queue;
+mod partition_stream;
 mod permit;
 mod prune;
 pub mod quarantine;

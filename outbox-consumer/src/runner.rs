@@ -1,8 +1,10 @@
-//! The Kafka loop around [`DedupConsumer::process`]: one ordered worker per partition, a
-//! bounded number running at once, offsets stored only after a message is fully handled.
+//! The Kafka loop around [`DedupConsumer::process`]: one ordered worker per assigned
+//! partition, reading the partition's own queue, a bounded number handling batches at once,
+//! offsets stored only after the commit that covers them.
 
-use std::collections::HashMap;
 use std::sync::Arc;
+
+use futures::FutureExt;
 
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -15,7 +17,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::assignment::DedupContext;
 use crate::consumer::Outcome;
-use crate::partition_queue::{PartitionReceiver, PartitionSender, Queued, partition_queue};
+use crate::partition_stream::{
+    Change, PartitionStream, next_at_epoch, stop_watching, watch_rebalances,
+};
 use crate::permit::Turn;
 use crate::{ConsumerError, DedupConsumer, Handler};
 
@@ -70,84 +74,93 @@ where
     }
 
     /// Consumes until `shutdown` is cancelled. `consumer` comes from [`stream_consumer`](crate::stream_consumer)
-    /// and must be subscribed (or assigned).
+    /// and must be subscribed, not assigned: partitions are taken on as the group assigns them.
     ///
-    /// Partitions are handled concurrently (up to `max_concurrent_partitions`), each in
-    /// order. A partition with `max_queued_per_partition` messages queued has its fetch
-    /// paused rather than the poll loop blocked, and messages of a partition revoked from this member are dropped from
-    /// its queue (the partition's next owner reads them from the committed offset). On
-    /// shutdown, messages being handled finish, queued ones are left for redelivery, stored
-    /// offsets are committed within `shutdown_timeout`, and the client is closed off the
-    /// async runtime, so a dead broker cannot hang the caller. A message waiting out a retry
-    /// backoff does not count against `max_concurrent_partitions` while it waits.
+    /// Each assigned partition gets its own queue and worker; up to `max_concurrent_partitions`
+    /// workers handle batches at once, each partition in order. A worker that falls behind
+    /// holds back only its own partition's fetch (librdkafka stops fetching it at
+    /// `queued.min.messages` messages or `queued.max.messages.kbytes` queued), never the poll
+    /// loop, so heartbeats, rebalances and the other partitions go on. A revoked partition's
+    /// worker handles nothing after the message in hand; what was fetched for it is dropped,
+    /// and the partition's next owner reads it from the committed offset. On shutdown, batches being
+    /// handled finish, queued messages are left for redelivery, stored offsets are committed
+    /// within `shutdown_timeout`, and the client is closed off the async runtime, so a dead
+    /// broker cannot hang the caller. A message waiting out a retry backoff does not count
+    /// against `max_concurrent_partitions` while it waits.
     ///
     /// Returns `Ok` after shutdown; [`ConsumerError::KafkaFatal`] when the Kafka client hit a
     /// fatal error (it would fetch nothing more), and the error of a partition worker that
     /// stopped on a fault; in both cases the other partitions stop after their current
-    /// message, and the stored offsets are committed as on shutdown.
+    /// batch, and the stored offsets are committed as on shutdown. [`ConsumerError::Config`]
+    /// when `consumer` has partitions assigned by hand.
     pub async fn run<C: ClientContext + 'static>(
         &self,
         consumer: StreamConsumer<DedupContext<C>>,
         shutdown: CancellationToken,
     ) -> Result<(), ConsumerError> {
         let consumer = Arc::new(consumer);
+        if consumer.assignment().is_ok_and(|a| a.count() > 0) {
+            return Err(ConsumerError::Config(
+                "run takes a subscribed consumer; its partitions were assigned by hand".to_owned(),
+            ));
+        }
+        let mut changes = watch_rebalances(&consumer);
         let permits = Arc::new(Semaphore::new(self.inner.config.max_concurrent_partitions));
-        let mut queues: HashMap<(String, i32), PartitionSender> = HashMap::new();
         let mut workers = JoinSet::new();
         // Workers stop at this token, which is also cut when the loop stops on a fault: their
         // queued messages are then redelivered, not handled by a consumer that is going away.
         let stop = shutdown.child_token();
         let result = loop {
-            let received = tokio::select! {
+            tokio::select! {
                 () = stop.cancelled() => break Ok(()),
                 Some(joined) = workers.join_next(), if !workers.is_empty() => {
                     // Workers only stop early on a fault; later offsets must not be stored
                     // past the message it left unhandled, so the whole consumer stops.
                     break flatten(joined);
                 }
-                received = consumer.recv() => received,
-            };
-            let message = match received {
-                Ok(m) => m.detach(),
-                Err(error) => {
-                    // A fatal error is reported once, and the client fetches nothing after it:
-                    // going on would look alive while consuming nothing.
-                    if let Some(fatal) = fatal(&consumer, &error) {
-                        tracing::error!(%fatal, "fatal kafka consumer error; stopping");
-                        break Err(fatal);
+                Some(change) = changes.recv() => match change {
+                    Change::Split { topic, partition, queue } => {
+                        workers.spawn(self.clone().partition_worker(
+                            Arc::clone(&consumer),
+                            (topic, partition),
+                            queue,
+                            Arc::clone(&permits),
+                            stop.clone(),
+                        ));
                     }
-                    tracing::warn!(%error, "kafka consumer error");
-                    continue;
-                }
-            };
-            let epoch = consumer
-                .context()
-                .epoch(message.topic(), message.partition());
-            let queue = queues
-                .entry((message.topic().to_owned(), message.partition()))
-                .or_insert_with(|| {
-                    let (tx, rx) = partition_queue(
-                        message.topic(),
-                        message.partition(),
-                        self.inner.config.max_queued_per_partition,
-                    );
-                    workers.spawn(self.clone().partition_worker(
-                        Arc::clone(&consumer),
-                        rx,
-                        Arc::clone(&permits),
-                        stop.clone(),
-                    ));
-                    tx
-                });
-            // An `Err` means the worker stopped; join_next reports why.
-            if let Ok(true) = queue.push(&consumer, Queued { message, epoch }) {
-                self.count_pause();
+                    Change::Unsplit { topic, partition } => {
+                        break Err(ConsumerError::Worker(format!(
+                            "no queue of its own for {topic}/{partition}: cannot consume it in order"
+                        )));
+                    }
+                },
+                received = consumer.recv() => match received {
+                    // Every assigned partition has its own queue: the main one only serves
+                    // events. A message here is one no worker sees; stopping (its offset is not
+                    // stored) redelivers it, handling it here could break its partition's order.
+                    Ok(message) => {
+                        break Err(ConsumerError::Worker(format!(
+                            "a message of {}/{} arrived outside its partition's queue",
+                            message.topic(),
+                            message.partition()
+                        )));
+                    }
+                    Err(error) => {
+                        // A fatal error is reported once, and the client fetches nothing after
+                        // it: going on would look alive while consuming nothing.
+                        if let Some(fatal) = fatal(&consumer, &error) {
+                            tracing::error!(%fatal, "fatal kafka consumer error; stopping");
+                            break Err(fatal);
+                        }
+                        tracing::warn!(%error, "kafka consumer error");
+                    }
+                },
             }
         };
-        if result.is_err() {
-            stop.cancel();
-        }
-        drop(queues);
+        stop.cancel();
+        stop_watching(&consumer);
+        // Queues not yet handed to a worker hold the consumer too: it must close last.
+        drop(changes);
         let mut result = result;
         while let Some(joined) = workers.join_next().await {
             if let Err(error) = flatten(joined) {
@@ -158,67 +171,84 @@ where
         result
     }
 
+    /// Handles the messages of `partition`'s own queue in batches, in order, until `stop` or a
+    /// fault. Each message is taken with the partition's revocation count at that moment: a
+    /// batch is one count's messages, and is handled only while the partition is still owned
+    /// at that count.
     async fn partition_worker<C: ClientContext + 'static>(
         self,
         consumer: Arc<StreamConsumer<DedupContext<C>>>,
-        mut queue: PartitionReceiver,
+        partition: (String, i32),
+        queue: PartitionStream<C>,
         permits: Arc<Semaphore>,
-        shutdown: CancellationToken,
+        stop: CancellationToken,
     ) -> Result<(), ConsumerError> {
         let config = &self.inner.config;
-        let current = |message: &OwnedMessage| {
-            consumer
-                .context()
-                .epoch(message.topic(), message.partition())
-        };
-        while let Some(first) = queue.next(&consumer).await {
-            if shutdown.is_cancelled() {
-                return Ok(());
-            }
+        let context = consumer.context();
+        let (topic, partition) = (partition.0.as_str(), partition.1);
+        let mut stream = queue.stream();
+        // A message taken at another count than the batch before it: it starts the next one.
+        let mut carried: Option<(OwnedMessage, u64)> = None;
+        loop {
+            let (first, epoch) = match carried.take() {
+                Some(taken) => taken,
+                None => {
+                    let (next, epoch) = tokio::select! {
+                        biased;
+                        () = stop.cancelled() => return Ok(()),
+                        taken = next_at_epoch(&mut stream, context, topic, partition) => taken,
+                    };
+                    match next {
+                        Some(Ok(message)) => (message, epoch),
+                        Some(Err(error)) => {
+                            tracing::warn!(%error, topic, partition, "kafka partition queue error");
+                            continue;
+                        }
+                        None => return Ok(()),
+                    }
+                }
+            };
             // What is queued now, never waiting for more: at low load a batch is one message.
-            let mut batch = vec![first];
-            while batch.len() < config.max_batch_size {
-                match queue.try_next(&consumer) {
-                    Some(queued) => batch.push(queued),
-                    None => break,
+            let mut messages = vec![first];
+            while messages.len() < config.max_batch_size {
+                match next_at_epoch(&mut stream, context, topic, partition).now_or_never() {
+                    Some((Some(Ok(message)), at)) if at == epoch => messages.push(message),
+                    Some((Some(Ok(message)), at)) => {
+                        carried = Some((message, at));
+                        break;
+                    }
+                    Some((Some(Err(error)), _)) => {
+                        tracing::warn!(%error, topic, partition, "kafka partition queue error");
+                        break;
+                    }
+                    Some((None, _)) | None => break,
                 }
             }
-            // Fetched before the partition was revoked: whoever owns it now reads them again
-            // from the committed offset.
-            let mut epoch = 0;
-            let messages: Vec<OwnedMessage> = batch
-                .into_iter()
-                .filter_map(|queued| {
-                    if queued.epoch == current(&queued.message) {
-                        epoch = queued.epoch;
-                        Some(queued.message)
-                    } else {
-                        self.inner.note_revoked_skip();
-                        None
-                    }
-                })
-                .collect();
-            let Some(last) = messages.last() else {
+            let owned = || context.epoch(topic, partition) == epoch;
+            if !owned() {
+                // Fetched before the partition was revoked: whoever owns it now reads them
+                // again from the committed offset.
+                for _ in &messages {
+                    self.inner.note_revoked_skip();
+                }
                 continue;
-            };
+            }
+            let last = messages
+                .last()
+                .unwrap_or_else(|| unreachable!("a batch has a first message"));
             let mut turn = Turn::take(&permits).await?;
             let mut failures = 0;
             let outcomes = loop {
-                let owned = || current(last) == epoch;
-                match self
-                    .handle_batch(&messages, &shutdown, &mut turn, &owned)
-                    .await
-                {
+                match self.handle_batch(&messages, &stop, &mut turn, &owned).await {
                     Ok(outcomes) => break outcomes,
                     Err(error) => {
                         // The database is unavailable: retry these messages, never skip them
                         // (what committed meanwhile is found deduplicated).
-                        tracing::warn!(%error, topic = last.topic(), partition = last.partition(),
-                            offset = last.offset(), messages = messages.len(),
-                            "cannot handle messages; retrying");
+                        tracing::warn!(%error, topic, partition, offset = last.offset(),
+                            messages = messages.len(), "cannot handle messages; retrying");
                         let delay =
                             outbox_core::backoff(config.backoff_base, config.backoff_max, failures);
-                        if !turn.back_off(delay, &shutdown).await? {
+                        if !turn.back_off(delay, &stop).await? {
                             return Ok(());
                         }
                         failures = failures.saturating_add(1);
@@ -240,7 +270,7 @@ where
             // Revoked while they were handled: storing now could move a newer owner's (or a
             // re-fetch's) committed offset backwards. Their redelivery is deduplicated.
             if let Some(message) = done.checked_sub(1).map(|i| &messages[i])
-                && epoch == current(message)
+                && owned()
             {
                 store_offset(&consumer, message);
             }
@@ -248,7 +278,6 @@ where
                 return Ok(());
             }
         }
-        Ok(())
     }
 
     #[cfg(feature = "fault-injection")]

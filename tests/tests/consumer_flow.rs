@@ -141,15 +141,15 @@ async fn a_stuck_partition_does_not_stop_the_others() -> Result<()> {
     let db = TestDb::new().await?;
     effects_table(&db.pool).await?;
     let topic = random_topic(2).await?;
-    // Far more than a partition queues before its fetch is paused (256 here), and all of it
-    // received before the other partition's events.
+    // Far more than one batch (256), and all of it received before the other partition's
+    // events.
     send_many(&topic, 0, "slow", 600).await?;
     send_many(&topic, 1, "fast", 20).await?;
 
     let gate = CancellationToken::new();
     let consumer = gated_consumer(
         db.pool.clone(),
-        ConsumerConfig::new("c1").max_queued_per_partition(256),
+        ConsumerConfig::new("c1"),
         |e| e.key == "slow",
         gate.clone(),
     )?;
@@ -233,5 +233,34 @@ async fn messages_queued_for_a_revoked_partition_are_dropped_not_handled() -> Re
         "the first member dropped what it had queued for revoked partitions: {:?}",
         first.stats()
     );
+    Ok(())
+}
+
+/// `run` takes partitions as the group assigns them, each on its own queue split before it
+/// fetches; partitions assigned by hand would fetch into the main queue, out of the workers'
+/// reach, so such a consumer is refused before it handles anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_refuses_a_consumer_with_partitions_assigned_by_hand() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    send_many(&topic, 0, "k", 5).await?;
+    let consumer = gated_consumer(
+        db.pool.clone(),
+        ConsumerConfig::new("c1"),
+        |_| false,
+        CancellationToken::new(),
+    )?;
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("g")))?;
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    assignment.add_partition_offset(&topic, 0, rdkafka::Offset::Beginning)?;
+    stream.assign(&assignment)?;
+    let refused =
+        tokio::time::timeout(WAIT, consumer.run(stream, CancellationToken::new())).await?;
+    assert!(
+        matches!(refused, Err(outbox_consumer::ConsumerError::Config(_))),
+        "{refused:?}"
+    );
+    assert_eq!(effects(&db.pool, None).await?, (0, 0), "nothing handled");
     Ok(())
 }

@@ -134,9 +134,10 @@ async fn keys_out_of_order(pool: &sqlx::PgPool) -> Result<Vec<String>> {
     .await?)
 }
 
-/// A consumer far behind a batching relay pauses and resumes its partitions again and again,
-/// and every resumed fetch starts inside a record batch: the broker must serve the rest of
-/// that batch (tansu's memory storage skipped it and lost 3 % of the effects here).
+/// A consumer far behind a batching relay has its partitions' fetches held back by librdkafka
+/// again and again (at 64 queued messages, with fetches of 4 KiB per partition), and every fetch after
+/// the first starts inside a record batch: the broker must serve the rest of that batch
+/// (tansu's memory storage skipped it and lost 3 % of the effects here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_far_behind_a_batching_relay_applies_every_effect_once() -> Result<()> {
     const KEYS: i64 = 60;
@@ -170,10 +171,15 @@ async fn a_consumer_far_behind_a_batching_relay_applies_every_effect_once() -> R
 
     let consumer = DedupConsumer::new(
         db.pool.clone(),
-        ConsumerConfig::new("far-behind").max_queued_per_partition(64),
+        ConsumerConfig::new("far-behind"),
         record_step,
     )?;
-    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("g")))?;
+    let stream = stream_consumer(
+        consumer_config(&kafka_bootstrap(), &unique("g"))
+            .set("queued.min.messages", "64")
+            .set("fetch.queue.backoff.ms", "10")
+            .set("max.partition.fetch.bytes", "4096"),
+    )?;
     stream.subscribe(&[topic.as_str()])?;
     let shutdown = CancellationToken::new();
     let consuming = tokio::spawn({
@@ -207,8 +213,8 @@ async fn a_consumer_far_behind_a_batching_relay_applies_every_effect_once() -> R
     );
     let stats = consumer.stats();
     assert!(
-        stats.partition_pauses >= 50,
-        "the consumer fell behind and paused its partitions many times: {stats:?}"
+        stats.transactions >= 50,
+        "the backlog came in many small fetches, each a batch or more: {stats:?}"
     );
     Ok(())
 }

@@ -109,6 +109,11 @@ async fn main() -> Result<()> {
     let mut conn = match cli.command {
         Command::Migrate => {
             outbox_core::migrate_with(&pool, &tables).await?;
+            // The dedup slices of the days around today, so consumers find them made; they
+            // make any other day they meet themselves.
+            let today = outbox_consumer::today();
+            let mut conn = pool.acquire().await?;
+            outbox_consumer::ensure_dedup_slices(&mut conn, &tables, today - 1..=today + 2).await?;
             println!("migrations applied");
             return Ok(());
         }
@@ -124,17 +129,20 @@ async fn main() -> Result<()> {
             what,
             older_than,
             batch,
-        } => {
-            let removed = match what {
-                PruneTarget::Dedup => {
-                    outbox_consumer::prune(&mut conn, &tables, older_than, batch).await?
-                }
-                PruneTarget::Published => {
-                    outbox_producer::prune_published(&mut conn, &tables, older_than, batch).await?
-                }
-            };
-            println!("removed {removed} rows");
-        }
+        } => match what {
+            PruneTarget::Dedup => {
+                let pruned = outbox_consumer::prune(&mut conn, &tables, older_than, batch).await?;
+                println!(
+                    "dropped {} day slices, removed {} timeless rows",
+                    pruned.slices_dropped, pruned.timeless_rows
+                );
+            }
+            PruneTarget::Published => {
+                let removed =
+                    outbox_producer::prune_published(&mut conn, &tables, older_than, batch).await?;
+                println!("removed {removed} rows");
+            }
+        },
     }
     Ok(())
 }

@@ -93,8 +93,10 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
     .bind(cap)
     .fetch_all(&mut *conn)
     .await?;
+    // A partitioned table holds nothing itself: its size is its slices'.
     let bytes = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT pg_total_relation_size('{d}'::regclass)"
+        "SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::bigint \
+         FROM pg_partition_tree('{d}'::regclass)"
     )))
     .fetch_one(&mut *conn)
     .await?;

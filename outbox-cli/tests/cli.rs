@@ -31,13 +31,30 @@ fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {
 #[tokio::test]
 async fn prune_dedup_from_cron_removes_only_old_rows() -> Result<()> {
     let db = TestDb::new().await?;
+    // Ids with no time, handled 1..10 days ago (less 12 hours)...
     sqlx::query(
-        "INSERT INTO outbox_consumer_dedup (consumer, event_id, processed_at) \
-         SELECT 'c', gen_random_uuid(), now() - (g || ' days')::interval + interval '12 hours' \
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice, processed_at) \
+         SELECT 'c', gen_random_uuid(), 0, now() - (g || ' days')::interval + interval '12 hours' \
          FROM generate_series(1, 10) AS g",
     )
     .execute(&db.pool)
     .await?;
+    // ...and events decided 10, 9 and 1 day(s) ago, in their days' slices.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+    let mut conn = db.pool.acquire().await?;
+    for days in [10, 9, 1] {
+        let at = uuid::Timestamp::from_unix(uuid::NoContext, now.as_secs() - days * 86_400, 0);
+        let id = uuid::Uuid::new_v7(at);
+        let slice = outbox_consumer::dedup_slice(&id);
+        outbox_consumer::ensure_dedup_slices(&mut conn, &Default::default(), [slice]).await?;
+        sqlx::query(
+            "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice) VALUES ('c', $1, $2)",
+        )
+        .bind(id)
+        .bind(slice)
+        .execute(&mut *conn)
+        .await?;
+    }
     let (ok, stdout, stderr) = outbox(
         &db,
         &["prune", "dedup", "--older-than", "7d", "--batch", "2"],
@@ -45,13 +62,35 @@ async fn prune_dedup_from_cron_removes_only_old_rows() -> Result<()> {
     assert!(ok, "{stderr}");
     assert_eq!(
         stdout.trim(),
-        "removed 3 rows",
-        "ages 7.5, 8.5 and 9.5 days"
+        "dropped 2 day slices, removed 3 timeless rows",
+        "the days of 10 and 9 days ago; ages 7.5, 8.5 and 9.5 days"
     );
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_dedup")
         .fetch_one(&db.pool)
         .await?;
-    assert_eq!(left, 7);
+    assert_eq!(left, 7 + 1);
+    Ok(())
+}
+
+/// `outbox migrate` makes the dedup slices of the days around today, ahead of consumers.
+#[tokio::test]
+async fn migrate_makes_the_dedup_slices_around_today() -> Result<()> {
+    let db = TestDb::new().await?;
+    let (ok, stdout, stderr) = outbox(&db, &["migrate"])?;
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.trim(), "migrations applied");
+    let slices: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'outbox_consumer_dedup'::regclass ORDER BY c.relname",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    let today = outbox_consumer::today();
+    let mut expected: Vec<String> = (today - 1..=today + 2)
+        .map(|d| format!("outbox_consumer_dedup_d{d}"))
+        .collect();
+    expected.push("outbox_consumer_dedup_timeless".to_owned());
+    assert_eq!(slices, expected);
     Ok(())
 }
 
@@ -73,8 +112,8 @@ async fn status_reports_json_and_bad_arguments_fail_clearly() -> Result<()> {
     }
     tx.commit().await?;
     sqlx::query(
-        "INSERT INTO outbox_consumer_dedup (consumer, event_id) \
-         SELECT c, gen_random_uuid() FROM unnest(ARRAY['billing', 'billing', 'audit']) AS c",
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice) \
+         SELECT c, gen_random_uuid(), 0 FROM unnest(ARRAY['billing', 'billing', 'audit']) AS c",
     )
     .execute(&db.pool)
     .await?;

@@ -27,6 +27,7 @@ use crate::decode::{self, Rejected};
 use crate::dedup_transaction::run_handler;
 use crate::failure::{AttemptError, is_unavailable};
 use crate::permit::Turn;
+use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
 
 /// A message, decoded.
@@ -85,6 +86,7 @@ where
         let mut start = 0;
         // A handler that failed in a batch: where, and how. Its message is next handled alone.
         let mut failed: Option<(usize, Failure)> = None;
+        let mut dropped = 0;
         while start < n {
             if !owned() {
                 outcomes.resize(n, Outcome::Revoked);
@@ -117,6 +119,12 @@ where
                 Ok(done) => {
                     start += done.len();
                     outcomes.extend(done);
+                }
+                // Its slice was pruned since it was seen: the next try makes it again.
+                Err(BatchFailure::Unavailable(error))
+                    if is_missing_slice(&error) && dropped < SLICE_RETRIES =>
+                {
+                    dropped += 1;
                 }
                 Err(BatchFailure::Unavailable(error)) => return Err(error.into()),
                 Err(BatchFailure::Handler(index, failure)) => {
@@ -209,6 +217,11 @@ where
         if ids.is_empty() && !items.iter().any(|i| matches!(i, Item::Rejected(_))) {
             return Ok(vec![Outcome::DuplicateCached; items.len()]);
         }
+        inner
+            .ensure_slices(&ids)
+            .await
+            .map_err(BatchFailure::Unavailable)?;
+        let slices: Vec<i32> = ids.iter().map(dedup_slice).collect();
         let mut tx = inner
             .pool
             .begin()
@@ -221,9 +234,16 @@ where
             sqlx::query_scalar(inner.sql.insert_dedup_batch.clone())
                 .bind(&inner.name)
                 .bind(&ids)
+                .bind(&slices)
                 .fetch_all(&mut *tx)
                 .await
-                .map_err(BatchFailure::from_statement)?
+                .map_err(|e| {
+                    if inner.missing_slice(&e) {
+                        BatchFailure::Unavailable(e)
+                    } else {
+                        BatchFailure::from_statement(e)
+                    }
+                })?
                 .into_iter()
                 .collect()
         };
@@ -262,9 +282,11 @@ where
         for (index, (message, item)) in messages.iter().zip(items).enumerate() {
             if !owned() {
                 let unhandled: Vec<Uuid> = new.difference(&handled).copied().collect();
+                let slices: Vec<i32> = unhandled.iter().map(dedup_slice).collect();
                 sqlx::query(inner.sql.delete_dedup_batch.clone())
                     .bind(&inner.name)
                     .bind(&unhandled)
+                    .bind(&slices)
                     .execute(&mut **tx)
                     .await
                     .map_err(BatchFailure::from_statement)?;

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::permit::Turn;
+use crate::slice::KnownSlices;
 use crate::sql::ConsumerSql;
 use crate::{ConsumerConfig, ConsumerError, Handler, quarantine};
 
@@ -134,6 +135,7 @@ pub(crate) struct Inner<P, H> {
     pub(crate) handler: H,
     pub(crate) cache: Cache<Uuid, ()>,
     pub(crate) sql: ConsumerSql,
+    pub(crate) slices: KnownSlices,
     pub(crate) counters: Counters,
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
@@ -143,6 +145,30 @@ pub(crate) struct Inner<P, H> {
 }
 
 impl<P, H> Inner<P, H> {
+    /// Makes sure the dedup slices of `ids` exist before a transaction inserts them. Callers
+    /// treat a failure as the database being unavailable, whatever it is (a role that may not
+    /// create tables, say): it is no message's fault, so the messages wait and none is
+    /// quarantined for it.
+    pub(crate) async fn ensure_slices(
+        &self,
+        ids: impl IntoIterator<Item = &Uuid>,
+    ) -> Result<(), sqlx::Error> {
+        self.slices
+            .ensure(&self.pool, &self.config.tables.consumer_dedup, ids)
+            .await
+            .inspect_err(|error| tracing::warn!(%error, "cannot create a dedup slice"))
+    }
+
+    /// A dedup insert that found no slice for its row (one was pruned since it was seen):
+    /// forget the slices known, so the retry creates it again.
+    pub(crate) fn missing_slice(&self, error: &sqlx::Error) -> bool {
+        let missing = crate::slice::is_missing_slice(error);
+        if missing {
+            self.slices.forget();
+        }
+        missing
+    }
+
     /// Counts a queued message dropped because its partition was revoked.
     pub(crate) fn note_revoked_skip(&self) {
         bump(&self.counters.revoked_skipped);
@@ -188,6 +214,7 @@ where
             inner: Arc::new(Inner {
                 name,
                 sql: ConsumerSql::new(&config.tables),
+                slices: KnownSlices::default(),
                 config,
                 pool,
                 handler,

@@ -15,6 +15,7 @@ use sqlx::PgConnection;
 use crate::consumer::bump;
 use crate::failure::{AttemptError, is_unavailable};
 use crate::permit::Turn;
+use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
 use crate::{
     ConsumerError, DedupConsumer, Event, Handler, HandlerError, HandlerFailurePolicy, Outcome,
 };
@@ -85,17 +86,43 @@ where
     /// One transaction: the dedup row, the handler, COMMIT. Never raced against shutdown: an
     /// attempt that has begun runs to its commit or rollback.
     async fn attempt(&self, event: &Event<P>) -> Result<Outcome, AttemptError> {
+        let mut dropped = 0;
+        loop {
+            match self.attempt_once(event).await {
+                // Its slice was pruned since it was seen: the next try makes it again.
+                Err(AttemptError::Unavailable(error))
+                    if is_missing_slice(&error) && dropped < SLICE_RETRIES =>
+                {
+                    dropped += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn attempt_once(&self, event: &Event<P>) -> Result<Outcome, AttemptError> {
         let inner = &*self.inner;
         let id = *event.id.as_uuid();
         let statement = |e| AttemptError::from_statement("transaction_failed", e);
+        inner
+            .ensure_slices([&id])
+            .await
+            .map_err(AttemptError::Unavailable)?;
         let mut tx = inner.pool.begin().await.map_err(statement)?;
         bump(&inner.counters.transactions);
         let inserted = sqlx::query(inner.sql.insert_dedup.clone())
             .bind(&inner.name)
             .bind(id)
+            .bind(dedup_slice(&id))
             .execute(&mut *tx)
             .await
-            .map_err(statement)?
+            .map_err(|e| {
+                if inner.missing_slice(&e) {
+                    AttemptError::Unavailable(e)
+                } else {
+                    statement(e)
+                }
+            })?
             .rows_affected();
         if inserted == 0 {
             // Whatever the rollback says, the committed row proves the event was handled.

@@ -75,6 +75,7 @@ mod permit;
 mod prune;
 pub mod quarantine;
 mod runner;
+mod slice;
 mod span;
 mod sql;
 
@@ -89,5 +90,6 @@ pub use handler::{BoxError, Boxed, Handler, HandlerError, HandlerFn, HandlerFutu
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;
 pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};
-pub use prune::prune;
+pub use prune::{DedupPruned, prune};
 pub use runner::consumer_config;
+pub use slice::{TIMELESS, dedup_slice, ensure_dedup_slices, today};

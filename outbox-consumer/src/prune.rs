@@ -1,32 +1,116 @@
+//! Bounding the dedup table: whole day slices dropped, the timeless slice pruned row by row.
+
 use std::time::Duration;
 
-use outbox_core::TableNames;
-use sqlx::PgConnection;
+use outbox_core::{Ident, TableNames};
+use sqlx::{AssertSqlSafe, PgConnection};
 
 use crate::ConsumerError;
+use crate::slice::{day_of, today};
 
-/// Deletes dedup rows processed more than `older_than` ago, at most `batch` rows per
-/// statement (each its own short transaction), so it never holds long locks and can run while
-/// consumers run, one instance at a time (another finds it running and returns 0). Returns
-/// how many rows it removed.
+/// What [`prune`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DedupPruned {
+    /// Day slices dropped whole (each a table: no rows deleted, nothing left for vacuum).
+    pub slices_dropped: u64,
+    /// Rows deleted from the timeless slice (ids that carry no time).
+    pub timeless_rows: u64,
+}
+
+/// Bounds the dedup table to `older_than`, one instance at a time (another finds it running
+/// and returns at once with nothing removed), beside running consumers:
 ///
-/// Pick `older_than` longer than the longest time an event can be redelivered: the topic's
-/// retention, or how far back a consumer group could be reset, plus the relay's longest
-/// retry window. An event redelivered after its dedup row was pruned is handled again (it
-/// looks new); its handler should then rely on the event id as an idempotency key with
-/// outside systems.
+/// - A day slice (UUIDv7 ids, by the day of their timestamp: the event's time) is dropped once
+///   the whole day is older than `older_than`: detached with `DETACH PARTITION .. CONCURRENTLY`
+///   (consumers' inserts never wait for it) and dropped. Its cost does not depend on how many
+///   rows it holds.
+/// - The timeless slice (ids that carry no time) is pruned by processing time, at most `batch`
+///   rows per statement, each its own short transaction.
+///
+/// Pick `older_than` longer than the longest time an event can be redelivered after it was
+/// decided: the topic's retention, plus the relay's longest retry window. An event redelivered
+/// after its dedup row was pruned is handled again (it looks new); its handler should then rely
+/// on the event id as an idempotency key with outside systems.
 pub async fn prune(
     conn: &mut PgConnection,
     tables: &TableNames,
     older_than: Duration,
     batch: u32,
-) -> Result<u64, ConsumerError> {
-    let t = &tables.consumer_dedup;
+) -> Result<DedupPruned, ConsumerError> {
+    let dedup = &tables.consumer_dedup;
+    if !outbox_core::try_prune_lock(conn, dedup).await? {
+        return Ok(DedupPruned::default());
+    }
+    let pruned = prune_locked(conn, dedup, older_than, batch).await;
+    let unlocked = outbox_core::prune_unlock(conn, dedup).await;
+    let pruned = pruned?;
+    unlocked?;
+    Ok(pruned)
+}
+
+async fn prune_locked(
+    conn: &mut PgConnection,
+    dedup: &Ident,
+    older_than: Duration,
+    batch: u32,
+) -> Result<DedupPruned, ConsumerError> {
+    // A day is past once its end is: day + 1 <= today - whole days of `older_than`, counted
+    // in milliseconds so that a TTL of a day and a half keeps the day it reaches into.
+    let ttl_days = i64::try_from(older_than.as_millis().div_ceil(86_400_000)).unwrap_or(i64::MAX);
+    let last_expired = i64::from(today())
+        .saturating_sub(ttl_days)
+        .saturating_sub(1);
+    let mut slices_dropped = 0;
+    for (table, detaching) in slices(conn, dedup).await? {
+        let Some(day) = day_of(dedup, &table) else {
+            continue;
+        };
+        if i64::from(day) > last_expired {
+            continue;
+        }
+        let part = Ident::new(&table)?;
+        // A detach interrupted earlier (its connection lost) is finished, not restarted.
+        let detach = if detaching {
+            format!("ALTER TABLE {dedup} DETACH PARTITION {part} FINALIZE")
+        } else {
+            format!("ALTER TABLE {dedup} DETACH PARTITION {part} CONCURRENTLY")
+        };
+        // Outside any transaction block, as DETACH .. CONCURRENTLY requires.
+        sqlx::raw_sql(AssertSqlSafe(detach))
+            .execute(&mut *conn)
+            .await?;
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {part}")))
+            .execute(&mut *conn)
+            .await?;
+        tracing::info!(table = part.as_str(), day, "dropped a dedup slice");
+        slices_dropped += 1;
+    }
+    let timeless = Ident::new(format!("{}_timeless", dedup.as_str()))?;
     // ctid lets each batch delete exactly the rows it selected, via the processed_at index.
-    let query = format!(
-        "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-            SELECT ctid FROM {t} WHERE processed_at < now() - $1 * interval '1 millisecond' \
+    let delete = format!(
+        "DELETE FROM {timeless} WHERE ctid = ANY(ARRAY( \
+            SELECT ctid FROM {timeless} WHERE processed_at < now() - $1 * interval '1 millisecond' \
             LIMIT $2))"
     );
-    Ok(outbox_core::delete_in_batches(conn, t, query, older_than, batch).await?)
+    let timeless_rows = outbox_core::delete_while_full(conn, delete, older_than, batch).await?;
+    Ok(DedupPruned {
+        slices_dropped,
+        timeless_rows,
+    })
+}
+
+/// The slices of `dedup` (name, whether a detach of it is pending), oldest first.
+async fn slices(
+    conn: &mut PgConnection,
+    dedup: &Ident,
+) -> Result<Vec<(String, bool)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT c.relname::text, i.inhdetachpending FROM pg_inherits i \
+         JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = $1::regclass ORDER BY c.relname",
+    )
+    .bind(dedup.as_str())
+    .fetch_all(conn)
+    .await
 }

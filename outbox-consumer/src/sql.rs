@@ -5,6 +5,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerSql {
+    /// `$3` is the id's slice (`dedup_slice`), as in the next two.
     pub(crate) insert_dedup: SqlStr,
     /// Inserts many ids at once; returns those that were new.
     pub(crate) insert_dedup_batch: SqlStr,
@@ -19,16 +20,19 @@ impl ConsumerSql {
         let quarantine = &tables.consumer_quarantine;
         Self {
             insert_dedup: AssertSqlSafe(format!(
-                "INSERT INTO {dedup} (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+                "INSERT INTO {dedup} (consumer, event_id, slice) VALUES ($1, $2, $3) \
+                 ON CONFLICT DO NOTHING"
             ))
             .into_sql_str(),
             insert_dedup_batch: AssertSqlSafe(format!(
-                "INSERT INTO {dedup} (consumer, event_id) SELECT $1, unnest($2::uuid[]) \
+                "INSERT INTO {dedup} (consumer, event_id, slice) \
+                 SELECT $1, t.id, t.slice FROM unnest($2::uuid[], $3::int[]) AS t(id, slice) \
                  ON CONFLICT DO NOTHING RETURNING event_id"
             ))
             .into_sql_str(),
             delete_dedup_batch: AssertSqlSafe(format!(
-                "DELETE FROM {dedup} WHERE consumer = $1 AND event_id = ANY($2)"
+                "DELETE FROM {dedup} WHERE consumer = $1 \
+                 AND (event_id, slice) IN (SELECT * FROM unnest($2::uuid[], $3::int[]))"
             ))
             .into_sql_str(),
             quarantine: AssertSqlSafe(format!(

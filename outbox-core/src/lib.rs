@@ -33,6 +33,6 @@ pub use ident::{Ident, TableNames};
 #[cfg(feature = "prometheus")]
 pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};
-pub use prune::delete_in_batches;
+pub use prune::{delete_in_batches, delete_while_full, prune_unlock, try_prune_lock};
 pub use quarantine_table::QuarantineTable;
 pub use retry::backoff;

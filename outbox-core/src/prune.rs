@@ -21,6 +21,23 @@ pub async fn delete_in_batches(
     older_than: Duration,
     batch: u32,
 ) -> Result<u64, sqlx::Error> {
+    if !try_prune_lock(conn, table).await? {
+        return Ok(0);
+    }
+    let pruned = delete_while_full(conn, delete, older_than, batch).await;
+    let unlocked = prune_unlock(conn, table).await;
+    let pruned = pruned?;
+    unlocked?;
+    Ok(pruned)
+}
+
+/// Takes the session advisory lock that lets one instance at a time prune `table` (resolved on
+/// this connection, keyed by its oid); `false`, and a log line, when another instance holds
+/// it. Release it with [`prune_unlock`].
+pub async fn try_prune_lock(
+    conn: &mut PgConnection,
+    table: &crate::Ident,
+) -> Result<bool, sqlx::Error> {
     let locked: bool = sqlx::query_scalar(
         "SELECT pg_try_advisory_lock(hashtext('outbox_prune'), hashtext($1::regclass::oid::text))",
     )
@@ -32,21 +49,26 @@ pub async fn delete_in_batches(
             table = table.as_str(),
             "another instance is pruning; skipped"
         );
-        return Ok(0);
     }
-    let pruned = delete_while_full(conn, delete, older_than, batch).await;
-    let unlocked = sqlx::query(
+    Ok(locked)
+}
+
+/// Releases what [`try_prune_lock`] took.
+pub async fn prune_unlock(
+    conn: &mut PgConnection,
+    table: &crate::Ident,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
         "SELECT pg_advisory_unlock(hashtext('outbox_prune'), hashtext($1::regclass::oid::text))",
     )
     .bind(table.as_str())
     .execute(&mut *conn)
-    .await;
-    let pruned = pruned?;
-    unlocked?;
-    Ok(pruned)
+    .await?;
+    Ok(())
 }
 
-async fn delete_while_full(
+/// Runs `delete` as [`delete_in_batches`] does, without taking the lock (the caller holds it).
+pub async fn delete_while_full(
     conn: &mut PgConnection,
     delete: String,
     older_than: Duration,

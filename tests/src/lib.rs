@@ -74,6 +74,13 @@ impl TestDb {
 
     /// Same, with a pool of `size` connections.
     pub async fn with_pool_size(size: u32) -> Result<Self> {
+        let db = Self::unmigrated(size).await?;
+        outbox_core::migrate(&db.pool).await?;
+        Ok(db)
+    }
+
+    /// A schema of its own with no migration run in it (for migration tests).
+    pub async fn unmigrated(size: u32) -> Result<Self> {
         init_tracing();
         let schema = unique("t");
         let base = PgConnectOptions::from_str(&database_url())?;
@@ -90,7 +97,6 @@ impl TestDb {
             .max_connections(size)
             .connect_with(base.options([("search_path", schema.as_str())]))
             .await?;
-        outbox_core::migrate(&pool).await?;
         Ok(Self { pool, schema })
     }
 }

@@ -446,56 +446,67 @@ async fn cache_hit_makes_no_database_round_trip() -> Result<()> {
     Ok(())
 }
 
+/// An event id decided `days` days ago (a UUIDv7 id carries its time).
+fn decided_days_ago(days: u64) -> EventId {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs();
+    let ts = uuid::Timestamp::from_unix(uuid::NoContext, now - days * 24 * 3600, 0);
+    EventId::from_uuid(uuid::Uuid::new_v7(ts))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prune_removes_only_expired_rows_and_a_pruned_event_is_handled_again() -> Result<()> {
     let db = db_for("c1").await?;
     effects_table(&db.pool).await?;
+    let none = CancellationToken::new();
+    let c = consumer(&db, ConsumerConfig::new("c1"))?;
+    // Events decided 10, 8 and 1 day(s) ago, each in its day's slice (made by the consumer as
+    // it meets them), and ids with no time handled 8 days and 1 day ago.
+    let (old, older, recent) = (
+        decided_days_ago(8),
+        decided_days_ago(10),
+        decided_days_ago(1),
+    );
+    let timeless: Vec<EventId> = (0..4)
+        .map(|_| EventId::from_uuid(uuid::Uuid::new_v4()))
+        .collect();
+    for (offset, id) in [old, older, recent].iter().chain(&timeless).enumerate() {
+        let msg = event_message("t", offset as i64, *id, r#"{"n":1}"#);
+        assert_eq!(c.process(&msg, &none).await?, Outcome::Processed);
+    }
     sqlx::query(
-        "INSERT INTO outbox_consumer_dedup (consumer, event_id, processed_at) \
-         SELECT 'c1', gen_random_uuid(), now() - CASE WHEN g % 2 = 0 THEN interval '8 days' ELSE interval '1 day' END \
-         FROM generate_series(1, 25) AS g",
+        "UPDATE outbox_consumer_dedup SET processed_at = now() - interval '8 days' \
+         WHERE event_id = ANY($1)",
     )
+    .bind([timeless[0], timeless[1]])
     .execute(&db.pool)
     .await?;
+
     let mut conn = db.pool.acquire().await?;
     let week = Duration::from_secs(7 * 24 * 3600);
-    let removed = outbox_consumer::prune(&mut conn, &Default::default(), week, 5).await?;
+    let pruned = outbox_consumer::prune(&mut conn, &Default::default(), week, 1).await?;
     assert_eq!(
-        removed, 12,
-        "the 12 rows older than a week, in batches of 5"
+        (pruned.slices_dropped, pruned.timeless_rows),
+        (2, 2),
+        "the days of 10 and 8 days ago; the two timeless rows of 8 days ago, one per batch"
     );
-    let left: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox_consumer_dedup WHERE processed_at > now() - interval '7 days'",
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    assert_eq!(left, 13);
+    let left: Vec<EventId> =
+        sqlx::query_scalar("SELECT event_id FROM outbox_consumer_dedup ORDER BY event_id")
+            .fetch_all(&mut *conn)
+            .await?;
+    let mut expected = vec![recent, timeless[2], timeless[3]];
+    expected.sort_by_key(|id| *id.as_uuid());
+    assert_eq!(left, expected);
 
-    // Documented behaviour: once its dedup row is pruned, a redelivered event looks new.
-    let id = EventId::new();
-    let msg = event_message("t", 0, id, r#"{"n":1}"#);
-    let none = CancellationToken::new();
-    assert_eq!(
-        consumer(&db, ConsumerConfig::new("c1"))?
-            .process(&msg, &none)
-            .await?,
-        Outcome::Processed
-    );
-    sqlx::query("UPDATE outbox_consumer_dedup SET processed_at = now() - interval '8 days' WHERE event_id = $1")
-        .bind(id)
-        .execute(&mut *conn)
-        .await?;
-    assert_eq!(
-        outbox_consumer::prune(&mut conn, &Default::default(), week, 100).await?,
-        1
-    );
-    assert_eq!(
-        consumer(&db, ConsumerConfig::new("c1"))?
-            .process(&msg, &none)
-            .await?,
-        Outcome::Processed
-    );
-    assert_eq!(effects(&db.pool, id).await?, 2);
+    // Documented behaviour: once its dedup row is pruned, a redelivered event looks new (a
+    // consumer that had seen its slice makes it again).
+    let again = consumer(&db, ConsumerConfig::new("c1"))?;
+    let msg = event_message("t", 9, old, r#"{"n":1}"#);
+    assert_eq!(again.process(&msg, &none).await?, Outcome::Processed);
+    assert_eq!(c.process(&msg, &none).await?, Outcome::DuplicateCached);
+    assert_eq!(effects(&db.pool, old).await?, 2);
     Ok(())
 }
 

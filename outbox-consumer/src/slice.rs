@@ -1,0 +1,221 @@
+//! The dedup table's time slices (its range partitions). A row's slice is a function of its
+//! event id alone, so a redelivered id meets its earlier row in the same slice: the day since
+//! the Unix epoch of a UUIDv7 id's timestamp, or [`TIMELESS`] for an id that carries no time.
+//! Pruning drops whole day slices (`prune.rs`); this file makes sure a slice exists before a
+//! row needs it, so a consumer never fails for a missing one.
+
+use std::collections::HashSet;
+use std::sync::RwLock;
+
+use outbox_core::{Ident, TableNames};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use uuid::Uuid;
+
+const DAY_MS: u64 = 86_400_000;
+
+/// The slice of ids that carry no time (not UUIDv7): pruned by processing time.
+pub const TIMELESS: i32 = 0;
+
+/// The dedup slice of `id`: the day (since the Unix epoch) of a UUIDv7 id's timestamp, or
+/// [`TIMELESS`]. The same value as the SQL function `outbox_consumer_dedup_slice(uuid)` that
+/// the migration creates.
+pub fn dedup_slice(id: &Uuid) -> i32 {
+    let bytes = id.as_bytes();
+    if bytes[6] >> 4 != 7 {
+        return TIMELESS;
+    }
+    let millis = bytes[..6]
+        .iter()
+        .fold(0_u64, |acc, b| (acc << 8) | u64::from(*b));
+    // 48 bits of milliseconds are under 2^48 / DAY_MS days: an i32 holds every one.
+    i32::try_from(millis / DAY_MS).unwrap_or(i32::MAX)
+}
+
+/// Today's slice, by this machine's clock.
+pub fn today() -> i32 {
+    let millis = u64::try_from(chrono::Utc::now().timestamp_millis()).unwrap_or(0);
+    i32::try_from(millis / DAY_MS).unwrap_or(i32::MAX)
+}
+
+/// The table that holds day slice `day` of `dedup`.
+pub(crate) fn slice_table(dedup: &Ident, day: i32) -> Result<Ident, outbox_core::CoreError> {
+    Ident::new(format!("{}_d{day}", dedup.as_str()))
+}
+
+/// The day of a slice table of `dedup`, from its name; `None` for other tables.
+pub(crate) fn day_of(dedup: &Ident, table: &str) -> Option<i32> {
+    table
+        .strip_prefix(dedup.as_str())?
+        .strip_prefix("_d")?
+        .parse()
+        .ok()
+}
+
+/// Creates the day slices `days` of the dedup table where missing, each in its own short
+/// transaction, so that no consumer waits to create one: `outbox migrate` runs it for the days
+/// around today, and consumers for any day they meet. Creating a slice takes no lock that
+/// consumers' inserts wait for (the table is attached with `SHARE UPDATE EXCLUSIVE`).
+pub async fn ensure_dedup_slices(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    days: impl IntoIterator<Item = i32>,
+) -> Result<(), crate::ConsumerError> {
+    for day in days {
+        ensure_slice(conn, &tables.consumer_dedup, day)
+            .await
+            .map_err(|e| match e {
+                SliceError::Sql(e) => crate::ConsumerError::Database(e),
+                SliceError::Name(e) => crate::ConsumerError::Core(e),
+            })?;
+    }
+    Ok(())
+}
+
+#[derive(Debug)]
+pub(crate) enum SliceError {
+    Sql(sqlx::Error),
+    Name(outbox_core::CoreError),
+}
+
+impl From<sqlx::Error> for SliceError {
+    fn from(error: sqlx::Error) -> Self {
+        Self::Sql(error)
+    }
+}
+
+async fn ensure_slice(conn: &mut PgConnection, dedup: &Ident, day: i32) -> Result<(), SliceError> {
+    if day == TIMELESS {
+        return Ok(());
+    }
+    let part = slice_table(dedup, day).map_err(SliceError::Name)?;
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    // One creator per table at a time: two consumers meeting the same new day would otherwise
+    // both try to attach it.
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtext('outbox_dedup_slices'), hashtext($1::regclass::oid::text))",
+    )
+    .bind(dedup.as_str())
+    .execute(&mut *tx)
+    .await?;
+    let attached: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_inherits \
+         WHERE inhparent = $1::regclass AND inhrelid = to_regclass($2))",
+    )
+    .bind(dedup.as_str())
+    .bind(part.as_str())
+    .fetch_one(&mut *tx)
+    .await?;
+    if !attached {
+        // Created apart and then attached: `CREATE TABLE .. PARTITION OF` would lock the
+        // whole dedup table against the consumers' inserts; ATTACH does not.
+        let (from, to) = (i64::from(day), i64::from(day) + 1);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {part} (LIKE {dedup} INCLUDING DEFAULTS); \
+             ALTER TABLE {dedup} ATTACH PARTITION {part} FOR VALUES FROM ({from}) TO ({to})"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        tracing::info!(table = part.as_str(), day, "created a dedup slice");
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// How often a transaction is tried again at once when its row's slice was dropped meanwhile
+/// (pruned, and made again by the next try), before it waits like any other failure.
+pub(crate) const SLICE_RETRIES: u32 = 3;
+
+/// The day slices a consumer knows to exist, so that only a new day costs a look.
+#[derive(Debug, Default)]
+pub(crate) struct KnownSlices {
+    days: RwLock<HashSet<i32>>,
+}
+
+impl KnownSlices {
+    /// Makes sure the slices of `ids` exist, and for today's or a later day also the next
+    /// day's, ahead of time (made now, not by the first insert of a busy midnight).
+    pub(crate) async fn ensure(
+        &self,
+        pool: &PgPool,
+        dedup: &Ident,
+        ids: impl IntoIterator<Item = &Uuid>,
+    ) -> Result<(), sqlx::Error> {
+        let missing: Vec<i32> = {
+            let known = self.days.read().unwrap_or_else(|p| p.into_inner());
+            let mut missing: Vec<i32> = ids
+                .into_iter()
+                .map(dedup_slice)
+                .filter(|day| *day != TIMELESS && !known.contains(day))
+                .collect();
+            missing.sort_unstable();
+            missing.dedup();
+            missing
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut conn = pool.acquire().await?;
+        let today = today();
+        for day in missing {
+            let ahead = (day >= today).then(|| day.saturating_add(1));
+            for day in std::iter::once(day).chain(ahead) {
+                match ensure_slice(&mut conn, dedup, day).await {
+                    Ok(()) => {}
+                    Err(SliceError::Sql(error)) => return Err(error),
+                    Err(SliceError::Name(error)) => {
+                        return Err(sqlx::Error::Configuration(error.into()));
+                    }
+                }
+                self.days
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(day);
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets every slice: one was dropped (pruned) since it was seen.
+    pub(crate) fn forget(&self) {
+        self.days.write().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+/// Whether `error` says a row had no slice to go to (one was dropped after it was seen).
+pub(crate) fn is_missing_slice(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if db.code().as_deref() == Some("23514") && db.message().starts_with("no partition of relation"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_v7_id_falls_in_its_days_slice_and_others_in_the_timeless_one() {
+        let at = |ms: u64| Uuid::new_v7(uuid::Timestamp::from_unix_time(ms / 1000, 0, 0, 0));
+        assert_eq!(dedup_slice(&at(0)), TIMELESS, "the epoch's first day is 0");
+        assert_eq!(dedup_slice(&at(DAY_MS)), 1);
+        assert_eq!(dedup_slice(&at(1_764_892_800_000)), 20_427, "2025-12-05");
+        assert_eq!(
+            dedup_slice(&at(1_764_892_799_000)),
+            20_426,
+            "a second before"
+        );
+        assert_eq!(dedup_slice(&Uuid::new_v4()), TIMELESS);
+        assert_eq!(dedup_slice(&Uuid::nil()), TIMELESS);
+        assert_eq!(dedup_slice(&Uuid::max()), TIMELESS, "version 15");
+        let now = dedup_slice(&Uuid::now_v7());
+        assert!((today() - 1..=today()).contains(&now));
+    }
+
+    #[test]
+    fn slice_tables_are_named_after_their_day() {
+        let dedup = Ident::new("outbox_consumer_dedup").expect("valid");
+        let table = slice_table(&dedup, 20_427).expect("valid");
+        assert_eq!(table.as_str(), "outbox_consumer_dedup_d20427");
+        assert_eq!(day_of(&dedup, table.as_str()), Some(20_427));
+        assert_eq!(day_of(&dedup, "outbox_consumer_dedup_timeless"), None);
+        assert_eq!(day_of(&dedup, "other_d5"), None);
+    }
+}

@@ -1,0 +1,284 @@
+//! The dedup table in day slices: every kind of id deduplicated in its own slice, slices made
+//! by the consumer when missing, pruning that drops whole slices beside running consumers, and
+//! the migration from the unsliced table. Real Postgres; the running-consumer test also the
+//! real broker.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use outbox_consumer::{
+    ConsumerConfig, DedupConsumer, Event, Outcome, TIMELESS, consumer_config, dedup_consume,
+    dedup_slice,
+};
+use outbox_core::{EventId, TableNames};
+use outbox_tests::{
+    TestDb, event_message, eventually, kafka_bootstrap, produce_raw, random_topic, unique,
+};
+use serde::Deserialize;
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const DAY: u64 = 24 * 3600;
+const WEEK: Duration = Duration::from_secs(7 * DAY);
+
+#[derive(Debug, Deserialize)]
+struct Step {
+    n: i64,
+}
+
+async fn effects_table(pool: &PgPool) -> Result<()> {
+    // No unique constraint: a double effect must show as a second row.
+    sqlx::query("CREATE TABLE effects (event_id UUID, n BIGINT)")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+async fn record(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effects (event_id, n) VALUES ($1, $2)")
+        .bind(event.id)
+        .bind(event.payload.n)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// (effects, distinct event ids with an effect).
+async fn effects(pool: &PgPool) -> Result<(i64, i64)> {
+    Ok(
+        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs()
+}
+
+/// A UUIDv7 event id decided `days` days from now (negative: ago).
+fn decided(days: i64) -> EventId {
+    let secs = now_secs().saturating_add_signed(days * DAY as i64);
+    EventId::from_uuid(Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        secs,
+        0,
+    )))
+}
+
+fn timeless() -> EventId {
+    EventId::from_uuid(Uuid::new_v4())
+}
+
+/// The table each id's dedup row is in.
+async fn slice_tables(pool: &PgPool, ids: &[EventId]) -> Result<Vec<String>> {
+    let mut tables = Vec::new();
+    for id in ids {
+        tables.push(
+            sqlx::query_scalar(
+                "SELECT tableoid::regclass::text FROM outbox_consumer_dedup WHERE event_id = $1",
+            )
+            .bind(id)
+            .fetch_one(pool)
+            .await?,
+        );
+    }
+    Ok(tables)
+}
+
+#[tokio::test]
+async fn the_slice_function_in_sql_and_in_rust_agree() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mut ids: Vec<Uuid> = vec![Uuid::nil(), Uuid::max(), Uuid::new_v4(), Uuid::now_v7()];
+    ids.extend((-400..400).step_by(37).map(|d| *decided(d).as_uuid()));
+    ids.push(Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        0,
+        0,
+    )));
+    ids.push(Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        (1 << 47) / 1000,
+        0,
+    )));
+    for id in ids {
+        let sql: i32 = sqlx::query_scalar("SELECT outbox_consumer_dedup_slice($1)")
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await?;
+        assert_eq!(sql, dedup_slice(&id), "{id}");
+    }
+    Ok(())
+}
+
+/// Every kind of id deduplicates, in its own slice; a day with no slice yet (an event from a
+/// producer whose clock runs days ahead, an old event replayed) gets one from the consumer,
+/// which never fails for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_id_is_deduplicated_in_its_own_slice() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let ids = [decided(0), decided(3), decided(-30), timeless()];
+    let none = CancellationToken::new();
+    for round in 0..2 {
+        // A new consumer each round: no cache, so the second round meets the dedup rows.
+        let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+        for (offset, id) in ids.iter().enumerate() {
+            let message = event_message("t", offset as i64, *id, r#"{"n":1}"#);
+            let expected = if round == 0 {
+                Outcome::Processed
+            } else {
+                Outcome::DuplicateStored
+            };
+            assert_eq!(c.process(&message, &none).await?, expected, "{id}");
+        }
+    }
+    assert_eq!(effects(&db.pool).await?, (4, 4), "once per event");
+    let expected: Vec<String> = ids
+        .iter()
+        .map(|id| match dedup_slice(id.as_uuid()) {
+            TIMELESS => "outbox_consumer_dedup_timeless".to_owned(),
+            day => format!("outbox_consumer_dedup_d{day}"),
+        })
+        .collect();
+    assert_eq!(slice_tables(&db.pool, &ids).await?, expected);
+    Ok(())
+}
+
+/// A consumer that has seen a day's slice finds it dropped by a prune: the insert finds no
+/// slice, and the consumer makes it again at once instead of failing or waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slice_dropped_under_a_consumer_that_had_seen_it_is_made_again() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let none = CancellationToken::new();
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (first, second) = (decided(-20), decided(-20));
+    let message = |offset, id| event_message("t", offset, id, r#"{"n":1}"#);
+    assert_eq!(
+        c.process(&message(0, first), &none).await?,
+        Outcome::Processed
+    );
+    let mut conn = db.pool.acquire().await?;
+    let pruned = outbox_consumer::prune(&mut conn, &TableNames::default(), WEEK, 100).await?;
+    assert_eq!(pruned.slices_dropped, 1);
+    assert_eq!(
+        c.process(&message(1, second), &none).await?,
+        Outcome::Processed
+    );
+    assert_eq!(c.stats().handler_errors, 0, "no failed attempt");
+    assert_eq!(effects(&db.pool).await?, (2, 2));
+    Ok(())
+}
+
+/// Pruning beside running consumers, again and again, while they handle events of days being
+/// dropped: no error, no quarantine, every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_beside_running_consumers_costs_them_nothing() -> Result<()> {
+    const EVENTS: i64 = 400;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(2).await?;
+    // Decided over the last 20 days: about two thirds fall in days past the week kept.
+    for n in 0..EVENTS {
+        let id = decided(-(n % 20)).to_string();
+        let payload = format!(r#"{{"n":{n}}}"#);
+        produce_raw(
+            &topic,
+            Some((n % 2) as i32),
+            Some("k"),
+            Some(payload.as_bytes()),
+            &[("id", id.as_bytes())],
+        )
+        .await?;
+    }
+    let config = ConsumerConfig::new("c1").max_batch_size(8);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(
+        dedup_consume(
+            &consumer_config(&kafka_bootstrap(), &unique("g")),
+            db.pool.clone(),
+            record,
+        )
+        .topics([topic.clone()])
+        .config(config)
+        .run(shutdown.clone()),
+    );
+    let dropped = std::sync::atomic::AtomicU64::new(0);
+    eventually(
+        "every event has its effect",
+        Duration::from_secs(60),
+        || async {
+            let mut conn = db.pool.acquire().await?;
+            let pruned =
+                outbox_consumer::prune(&mut conn, &TableNames::default(), WEEK, 50).await?;
+            dropped.fetch_add(pruned.slices_dropped, std::sync::atomic::Ordering::SeqCst);
+            Ok(effects(&db.pool).await?.1 >= EVENTS)
+        },
+    )
+    .await?;
+    shutdown.cancel();
+    running.await??;
+    assert_eq!(effects(&db.pool).await?, (EVENTS, EVENTS), "once per event");
+    assert!(
+        dropped.into_inner() > 0,
+        "prune dropped slices while consumers ran"
+    );
+    let quarantined: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(quarantined, 0);
+    Ok(())
+}
+
+/// The migration from the unsliced table keeps every row, each in its slice: redelivered
+/// afterwards, every one of those events is a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_migration_moves_every_dedup_row_to_its_slice() -> Result<()> {
+    let db = TestDb::unmigrated(4).await?;
+    let all = outbox_core::migrator(&TableNames::default());
+    let before: Vec<_> = all.iter().filter(|m| m.version < 4).cloned().collect();
+    let mut before = sqlx::migrate::Migrator::with_migrations(before);
+    before.dangerous_set_table_name(all.table_name.clone());
+    before.run(&db.pool).await?;
+    let ids: Vec<EventId> = (0..60)
+        .map(|n| {
+            if n % 4 == 0 {
+                timeless()
+            } else {
+                decided(-(n % 9))
+            }
+        })
+        .collect();
+    for id in &ids {
+        sqlx::query("INSERT INTO outbox_consumer_dedup (consumer, event_id) VALUES ('c1', $1)")
+            .bind(id)
+            .execute(&db.pool)
+            .await?;
+    }
+    outbox_core::migrate(&db.pool).await?;
+    effects_table(&db.pool).await?;
+
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let none = CancellationToken::new();
+    for (offset, id) in ids.iter().enumerate() {
+        let message = event_message("t", offset as i64, *id, r#"{"n":1}"#);
+        assert_eq!(
+            c.process(&message, &none).await?,
+            Outcome::DuplicateStored,
+            "{id}"
+        );
+    }
+    assert_eq!(effects(&db.pool).await?, (0, 0));
+    let slices: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT tableoid) FROM outbox_consumer_dedup WHERE slice <> 0",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(slices >= 9, "one slice per day of the rows: {slices}");
+    Ok(())
+}

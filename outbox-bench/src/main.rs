@@ -10,6 +10,7 @@ mod p3_latency;
 mod p4_consumer;
 mod p6_debezium;
 mod p7_scale;
+mod p8_dedup_store;
 mod sample;
 
 use std::time::Duration;
@@ -25,7 +26,9 @@ pub(crate) struct Settings {
     /// p3 (latency), p4 (consumer), mem (peak RSS of a relay and a consumer process),
     /// p6 (the relay vs Debezium's Outbox Event Router: backlog throughput, latency at 1k ev/s;
     /// needs Kafka Connect); not by default: p7 (stats, claim and prune at `--scale-rows`
-    /// pending and published rows, ~15 min and ~8 GB of disk at 10M).
+    /// pending and published rows, ~15 min and ~8 GB of disk at 10M), p8 (the dedup store in
+    /// day slices: inserts with `--dedup-rows` retained, pruning a day of `--slice-rows`, size
+    /// per id; ~10 min and ~6 GB of disk).
     #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into(), "p6".into()])]
     only: Vec<String>,
     /// Interleaved rounds per figure.
@@ -46,6 +49,12 @@ pub(crate) struct Settings {
     /// Pending rows, and published rows, of P7's large outbox.
     #[arg(long, default_value_t = 10_000_000)]
     pub(crate) scale_rows: i64,
+    /// Dedup ids retained over the past week in P8's large store.
+    #[arg(long, default_value_t = 20_000_000)]
+    pub(crate) dedup_rows: i64,
+    /// Ids of the day slice P8 prunes.
+    #[arg(long, default_value_t = 5_000_000)]
+    pub(crate) slice_rows: i64,
     /// Internal: run as a `mem` child process in this role.
     #[arg(long, value_enum, hide = true)]
     role: Option<memory::Role>,
@@ -94,6 +103,9 @@ async fn main() -> Result<()> {
     }
     if wants("p7") {
         figures.extend(p7_scale::run(&settings).await?);
+    }
+    if wants("p8") {
+        figures.extend(p8_dedup_store::run(&settings).await?);
     }
     let peak_rss_kib = peak_rss_kib();
     println!(

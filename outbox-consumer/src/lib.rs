@@ -19,7 +19,10 @@
 //! keeps failing (under the default [`HandlerFailurePolicy::Quarantine`]), are stored whole in
 //! a quarantine table with the reason, and the partition moves on.
 //!
-//! Dedup rows live until [`prune`] removes them; see its docs for choosing the TTL.
+//! Dedup rows live in day slices of the dedup table (range partitions on the day of a UUIDv7
+//! event id, [`dedup_slice`]; ids that carry no time share a timeless slice) until [`prune`]
+//! drops their day whole; see its docs for choosing the TTL. A consumer makes a day's slice
+//! the first time it meets that day, so a missing slice never fails it.
 //!
 //! # Observability
 //! Each message is handled inside an `outbox.consume` span whose `traceparent` field is the

@@ -71,13 +71,7 @@ async fn fill_slice(db: &TestDb, day: i64, rows: i64) -> Result<()> {
 /// A schema with the tables as migrations 1-3 left them (the unsliced dedup table), holding
 /// `rows` rows of `day`, the same ids as [`fill_slice`] gives.
 async fn unsliced(day: i64, rows: i64) -> Result<TestDb> {
-    let db = TestDb::unmigrated(4).await?;
-    let all = outbox_core::migrator(&TableNames::default());
-    let mut before = sqlx::migrate::Migrator::with_migrations(
-        all.iter().filter(|m| m.version < 4).cloned().collect(),
-    );
-    before.dangerous_set_table_name(all.table_name.clone());
-    before.run(&db.pool).await?;
+    let db = TestDb::before_migration(4).await?;
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO outbox_consumer_dedup (consumer, event_id, processed_at) \
          SELECT 'bench', {}, now() - interval '8 days' FROM generate_series(1, {rows}) AS g",

@@ -79,6 +79,22 @@ impl TestDb {
         Ok(db)
     }
 
+    /// A schema of its own with only the migrations before `version` run in it: the tables
+    /// as an older release left them (for migration tests and benchmarks).
+    pub async fn before_migration(version: i64) -> Result<Self> {
+        let db = Self::unmigrated(4).await?;
+        let all = outbox_core::migrator(&outbox_core::TableNames::default());
+        let mut before = sqlx::migrate::Migrator::with_migrations(
+            all.iter()
+                .filter(|m| m.version < version)
+                .cloned()
+                .collect(),
+        );
+        before.dangerous_set_table_name(all.table_name.clone());
+        before.run(&db.pool).await?;
+        Ok(db)
+    }
+
     /// A schema of its own with no migration run in it (for migration tests).
     pub async fn unmigrated(size: u32) -> Result<Self> {
         init_tracing();

@@ -239,12 +239,7 @@ async fn prune_beside_running_consumers_costs_them_nothing() -> Result<()> {
 /// afterwards, every one of those events is a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_migration_moves_every_dedup_row_to_its_slice() -> Result<()> {
-    let db = TestDb::unmigrated(4).await?;
-    let all = outbox_core::migrator(&TableNames::default());
-    let before: Vec<_> = all.iter().filter(|m| m.version < 4).cloned().collect();
-    let mut before = sqlx::migrate::Migrator::with_migrations(before);
-    before.dangerous_set_table_name(all.table_name.clone());
-    before.run(&db.pool).await?;
+    let db = TestDb::before_migration(4).await?;
     let ids: Vec<EventId> = (0..60)
         .map(|n| {
             if n % 4 == 0 {

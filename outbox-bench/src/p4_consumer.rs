@@ -20,7 +20,7 @@ use outbox_tests::{TestDb, kafka_bootstrap, random_topic, unique};
 use rdkafka::Message;
 use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
 use rdkafka::consumer::{Consumer, DefaultConsumerContext, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage, Timestamp};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::Semaphore;

@@ -277,3 +277,26 @@ async fn the_migration_moves_every_dedup_row_to_its_slice() -> Result<()> {
     assert!(slices >= 9, "one slice per day of the rows: {slices}");
     Ok(())
 }
+
+/// One pruner at a time per dedup table: while another session holds the prune lock, `prune`
+/// returns at once with nothing removed, and the expired slice is still there for the holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_pruner_returns_at_once_with_nothing_removed() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let message = event_message("t", 0, decided(-20), r#"{"n":1}"#);
+    assert_eq!(
+        c.process(&message, &CancellationToken::new()).await?,
+        Outcome::Processed
+    );
+    let (mut first, mut second) = (db.pool.acquire().await?, db.pool.acquire().await?);
+    let dedup = TableNames::default().consumer_dedup;
+    assert!(outbox_core::try_prune_lock(&mut first, &dedup).await?);
+    let pruned = outbox_consumer::prune(&mut second, &TableNames::default(), WEEK, 100).await?;
+    assert_eq!(pruned, outbox_consumer::DedupPruned::default());
+    outbox_core::prune_unlock(&mut first, &dedup).await?;
+    let pruned = outbox_consumer::prune(&mut second, &TableNames::default(), WEEK, 100).await?;
+    assert_eq!(pruned.slices_dropped, 1);
+    Ok(())
+}

@@ -300,3 +300,39 @@ async fn a_second_pruner_returns_at_once_with_nothing_removed() -> Result<()> {
     assert_eq!(pruned.slices_dropped, 1);
     Ok(())
 }
+
+/// In-process pruning: `DedupPruner` drops the expired slice on its first turn, and stops at
+/// once when asked while it waits for the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_process_pruner_prunes_on_its_first_turn_and_stops_when_asked() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (expired, kept) = (decided(-20), decided(0));
+    for (offset, id) in [expired, kept].into_iter().enumerate() {
+        let message = event_message("t", offset as i64, id, r#"{"n":1}"#);
+        assert_eq!(
+            c.process(&message, &CancellationToken::new()).await?,
+            Outcome::Processed
+        );
+    }
+    let shutdown = CancellationToken::new();
+    let pruner = outbox_consumer::DedupPruner::new(db.pool.clone(), WEEK)
+        .interval(Duration::from_secs(3600));
+    let running = tokio::spawn(pruner.run(shutdown.clone()));
+    eventually(
+        "the expired slice is dropped",
+        Duration::from_secs(30),
+        || async {
+            let left: Vec<EventId> =
+                sqlx::query_scalar("SELECT event_id FROM outbox_consumer_dedup")
+                    .fetch_all(&db.pool)
+                    .await?;
+            Ok(left == [kept])
+        },
+    )
+    .await?;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), running).await??;
+    Ok(())
+}

@@ -18,7 +18,6 @@
 //! buffers): see the "P7" section of the README.
 
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -189,60 +188,6 @@ async fn load(db: &TestDb, pending: i64, published: i64) -> Result<Load> {
     })
 }
 
-/// The statements sqlx ran while this subscriber was the current one: sqlx logs each
-/// statement's text (target `sqlx::query`, field `db.statement`), prepared or not.
-#[derive(Debug, Clone, Default)]
-struct Captured(Arc<Mutex<Vec<String>>>);
-
-impl Captured {
-    fn containing(&self, marker: &str) -> Result<String> {
-        let statements = self.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
-        statements
-            .iter()
-            .find(|s| s.contains(marker))
-            .cloned()
-            .with_context(|| format!("no statement containing {marker:?} ran"))
-    }
-}
-
-struct StatementField<'a>(&'a mut Option<String>);
-
-impl tracing::field::Visit for StatementField<'_> {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        if field.name() == "db.statement" {
-            *self.0 = Some(value.trim().to_owned());
-        }
-    }
-
-    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
-}
-
-impl tracing::Subscriber for Captured {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.target() == "sqlx::query"
-    }
-
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-
-    fn event(&self, event: &tracing::Event<'_>) {
-        let mut statement = None;
-        event.record(&mut StatementField(&mut statement));
-        if let (Some(s), Ok(mut all)) = (statement, self.0.lock()) {
-            all.push(s);
-        }
-    }
-
-    fn enter(&self, _: &tracing::span::Id) {}
-
-    fn exit(&self, _: &tracing::span::Id) {}
-}
-
 /// The framework's claim, stats and prune statements, as sqlx sent them.
 struct Statements {
     claim: String,
@@ -258,7 +203,7 @@ async fn statements() -> Result<Statements> {
         &producer_config(&kafka_bootstrap()),
         RelayConfig::default().batch_size(CLAIM_BATCH).listen(false),
     )?;
-    let captured = Captured::default();
+    let captured = outbox_tests::Statements::default();
     async {
         relay.run_once_without_publishing().await?;
         let mut conn = probe.pool.acquire().await?;

@@ -359,3 +359,64 @@ pub fn event_message(
         Some(headers),
     )
 }
+
+/// A tracing subscriber that keeps the statements sqlx ran while it was the current one (sqlx
+/// logs each statement's text: target `sqlx::query`, field `db.statement`, prepared or not).
+/// Use it with `tracing::instrument::WithSubscriber::with_subscriber`.
+#[derive(Debug, Clone, Default)]
+pub struct Statements(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Statements {
+    /// The first statement that contains `marker`.
+    pub fn containing(&self, marker: &str) -> Result<String> {
+        let statements = self.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        statements
+            .iter()
+            .find(|s| s.contains(marker))
+            .cloned()
+            .with_context(|| format!("no statement containing {marker:?} ran"))
+    }
+
+    /// Every statement, in the order sqlx ran them.
+    pub fn all(&self) -> Vec<String> {
+        self.0.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+struct StatementField<'a>(&'a mut Option<String>);
+
+impl tracing::field::Visit for StatementField<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "db.statement" {
+            *self.0 = Some(value.trim().to_owned());
+        }
+    }
+
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl tracing::Subscriber for Statements {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        metadata.target() == "sqlx::query"
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut statement = None;
+        event.record(&mut StatementField(&mut statement));
+        if let (Some(s), Ok(mut all)) = (statement, self.0.lock()) {
+            all.push(s);
+        }
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}

@@ -192,6 +192,10 @@ impl Relay {
     ) -> Result<BatchReport, ProducerError> {
         let inner = &*self.inner;
         let mut tx = inner.pool.begin().await?;
+        // The claim's cost estimate grows with the backlog (each pending row costs its per-key
+        // probes), so past a few million pending rows Postgres JIT-compiles it: 268 ms of
+        // compiling for 4 ms of work per batch at 3M pending (bench P7). It never pays here.
+        sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
         // Not a named prepared statement: after five runs Postgres may switch one to a generic
         // plan, and the claim's generic plan scanned the backlog (18 s per batch at 10M
         // pending, bench P7); an unnamed statement is planned with its parameter every time.

@@ -20,7 +20,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use outbox_producer::{
     OutboxStats, Relay, RelayConfig, STATS_COUNT_CAP, TableNames, producer_config,
 };

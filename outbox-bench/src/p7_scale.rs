@@ -309,9 +309,11 @@ async fn time_stats(conn: &mut PgConnection) -> Result<(f64, OutboxStats)> {
     Ok((ms(started), stats))
 }
 
-/// One claim of `CLAIM_BATCH` rows as the relay runs it, rolled back.
+/// One claim of `CLAIM_BATCH` rows as the relay runs it (JIT off for its transaction), rolled
+/// back.
 async fn time_claim(conn: &mut PgConnection, claim: &str) -> Result<f64> {
     let mut tx = conn.begin().await?;
+    sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
     let started = Instant::now();
     let rows = sqlx::query(AssertSqlSafe(claim.to_owned()))
         .bind(i64::from(CLAIM_BATCH))

@@ -217,11 +217,11 @@ where
         if ids.is_empty() && !items.iter().any(|i| matches!(i, Item::Rejected(_))) {
             return Ok(vec![Outcome::DuplicateCached; items.len()]);
         }
+        let slices: Vec<i32> = ids.iter().map(dedup_slice).collect();
         inner
-            .ensure_slices(&ids)
+            .ensure_slices(slices.iter().copied())
             .await
             .map_err(BatchFailure::Unavailable)?;
-        let slices: Vec<i32> = ids.iter().map(dedup_slice).collect();
         let mut tx = inner
             .pool
             .begin()

@@ -145,16 +145,16 @@ pub(crate) struct Inner<P, H> {
 }
 
 impl<P, H> Inner<P, H> {
-    /// Makes sure the dedup slices of `ids` exist before a transaction inserts them. Callers
+    /// Makes sure the dedup slices `days` exist before a transaction inserts into them. Callers
     /// treat a failure as the database being unavailable, whatever it is (a role that may not
     /// create tables, say): it is no message's fault, so the messages wait and none is
     /// quarantined for it.
     pub(crate) async fn ensure_slices(
         &self,
-        ids: impl IntoIterator<Item = &Uuid>,
+        days: impl IntoIterator<Item = i32>,
     ) -> Result<(), sqlx::Error> {
         self.slices
-            .ensure(&self.pool, &self.config.tables.consumer_dedup, ids)
+            .ensure(&self.pool, &self.config.tables.consumer_dedup, days)
             .await
             .inspect_err(|error| tracing::warn!(%error, "cannot create a dedup slice"))
     }

@@ -104,8 +104,9 @@ where
         let inner = &*self.inner;
         let id = *event.id.as_uuid();
         let statement = |e| AttemptError::from_statement("transaction_failed", e);
+        let slice = dedup_slice(&id);
         inner
-            .ensure_slices([&id])
+            .ensure_slices([slice])
             .await
             .map_err(AttemptError::Unavailable)?;
         let mut tx = inner.pool.begin().await.map_err(statement)?;
@@ -113,7 +114,7 @@ where
         let inserted = sqlx::query(inner.sql.insert_dedup.clone())
             .bind(&inner.name)
             .bind(id)
-            .bind(dedup_slice(&id))
+            .bind(slice)
             .execute(&mut *tx)
             .await
             .map_err(|e| {

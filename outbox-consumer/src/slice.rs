@@ -132,19 +132,18 @@ pub(crate) struct KnownSlices {
 }
 
 impl KnownSlices {
-    /// Makes sure the slices of `ids` exist, and for today's or a later day also the next
+    /// Makes sure the day slices `days` exist, and for today's or a later day also the next
     /// day's, ahead of time (made now, not by the first insert of a busy midnight).
     pub(crate) async fn ensure(
         &self,
         pool: &PgPool,
         dedup: &Ident,
-        ids: impl IntoIterator<Item = &Uuid>,
+        days: impl IntoIterator<Item = i32>,
     ) -> Result<(), sqlx::Error> {
         let missing: Vec<i32> = {
             let known = self.days.read().unwrap_or_else(|p| p.into_inner());
-            let mut missing: Vec<i32> = ids
+            let mut missing: Vec<i32> = days
                 .into_iter()
-                .map(dedup_slice)
                 .filter(|day| *day != TIMELESS && !known.contains(day))
                 .collect();
             missing.sort_unstable();

@@ -338,12 +338,16 @@ async fn shutdown_is_bounded_with_a_batch_in_flight_and_leaves_it_pending() -> R
         "the relay has claimed the batch",
         Duration::from_secs(20),
         || async {
-            let unlocked: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM (SELECT 1 FROM outbox_events FOR UPDATE SKIP LOCKED) AS free",
+            // Reads the row locks without taking any: a probe that locked rows itself (FOR
+            // UPDATE SKIP LOCKED) could hold one while the relay claims, so the relay would
+            // claim the other alone and the probe would wait for a batch that never grows.
+            let locked: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM outbox_events WHERE xmax IN \
+                 (SELECT backend_xid FROM pg_stat_activity WHERE backend_xid IS NOT NULL)",
             )
             .fetch_one(&db.pool)
             .await?;
-            Ok(unlocked == 0)
+            Ok(locked == 2)
         },
     )
     .await?;

@@ -137,6 +137,9 @@ pub(crate) struct Inner<P, H> {
     pub(crate) sql: ConsumerSql,
     pub(crate) slices: KnownSlices,
     pub(crate) counters: Counters,
+    /// Whether a recent batch met an id already recorded: batches then insert their ids with
+    /// `ON CONFLICT DO NOTHING` until one finds none recorded (`batch.rs`).
+    pub(crate) expect_duplicates: std::sync::atomic::AtomicBool,
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
@@ -220,6 +223,7 @@ where
                 handler,
                 cache,
                 counters: Counters::default(),
+                expect_duplicates: std::sync::atomic::AtomicBool::new(false),
                 _payload: std::marker::PhantomData,
                 #[cfg(feature = "fault-injection")]
                 crash_after_commit: std::sync::atomic::AtomicBool::new(false),

@@ -9,6 +9,8 @@ pub(crate) struct ConsumerSql {
     pub(crate) insert_dedup: SqlStr,
     /// Inserts many ids at once; returns those that were new.
     pub(crate) insert_dedup_batch: SqlStr,
+    /// Inserts many ids expected to be new; fails on any that is not (a unique violation).
+    pub(crate) insert_new_dedup_batch: SqlStr,
     /// Deletes ids this transaction inserted but did not handle.
     pub(crate) delete_dedup_batch: SqlStr,
     pub(crate) quarantine: SqlStr,
@@ -28,6 +30,11 @@ impl ConsumerSql {
                 "INSERT INTO {dedup} (consumer, event_id, slice) \
                  SELECT $1, t.id, t.slice FROM unnest($2::uuid[], $3::int[]) AS t(id, slice) \
                  ON CONFLICT DO NOTHING RETURNING event_id"
+            ))
+            .into_sql_str(),
+            insert_new_dedup_batch: AssertSqlSafe(format!(
+                "INSERT INTO {dedup} (consumer, event_id, slice) \
+                 SELECT $1, t.id, t.slice FROM unnest($2::uuid[], $3::int[]) AS t(id, slice)"
             ))
             .into_sql_str(),
             delete_dedup_batch: AssertSqlSafe(format!(

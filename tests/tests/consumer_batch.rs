@@ -374,3 +374,61 @@ async fn dedup_consume_needs_a_topic_and_wraps_the_applications_client_context()
     run.await??;
     Ok(())
 }
+
+/// The dedup inserts `run` made, in order: whether each used `ON CONFLICT`.
+async fn dedup_inserts<F: std::future::Future>(run: F) -> (F::Output, Vec<bool>) {
+    use tracing::instrument::WithSubscriber;
+    let statements = outbox_tests::Statements::default();
+    let output = run
+        .with_subscriber(tracing::Dispatch::new(statements.clone()))
+        .await;
+    let inserts = statements
+        .all()
+        .iter()
+        .filter(|s| s.starts_with("INSERT INTO") && s.contains("outbox_consumer_dedup"))
+        .map(|s| s.contains("ON CONFLICT"))
+        .collect();
+    (output, inserts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_ids_are_inserted_plainly_and_recorded_ones_send_the_batch_to_on_conflict() -> Result<()>
+{
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let first = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (_, messages) = batch(4);
+    let shutdown = CancellationToken::new();
+    // New ids: one plain insert (no speculative insertion per row).
+    let (outcomes, inserts) = dedup_inserts(first.process_batch(&messages[..2], &shutdown)).await;
+    assert_eq!(outcomes?, [Outcome::Processed, Outcome::Processed]);
+    assert_eq!(inserts, [false]);
+
+    // A second instance (an empty cache, as after a restart) gets all four: the plain insert
+    // meets the two recorded ids, and the batch is done again with ON CONFLICT.
+    let second = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (outcomes, inserts) = dedup_inserts(second.process_batch(&messages, &shutdown)).await;
+    assert_eq!(
+        outcomes?,
+        [
+            Outcome::DuplicateStored,
+            Outcome::DuplicateStored,
+            Outcome::Processed,
+            Outcome::Processed,
+        ]
+    );
+    assert_eq!(inserts, [false, true]);
+    assert_eq!(effects(&db.pool).await?, [0, 1, 2, 3], "each effect once");
+
+    // Redeliveries come in runs: the next batch starts with ON CONFLICT; finding every id
+    // new, it lets the one after go back to the plain insert.
+    let (_, more) = batch(2);
+    let (outcomes, inserts) = dedup_inserts(second.process_batch(&more[..1], &shutdown)).await;
+    assert_eq!(outcomes?, [Outcome::Processed]);
+    assert_eq!(inserts, [true]);
+    let (outcomes, inserts) = dedup_inserts(second.process_batch(&more[1..], &shutdown)).await;
+    assert_eq!(outcomes?, [Outcome::Processed]);
+    assert_eq!(inserts, [false]);
+    assert_eq!(second.stats().duplicates_stored, 2, "{:?}", second.stats());
+    Ok(())
+}

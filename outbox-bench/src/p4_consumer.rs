@@ -179,7 +179,7 @@ async fn dedup_rate(
 /// default `max_batch_size`, never waiting), runs the same INSERT per message on one
 /// transaction, commits and stores the batch's last offset.
 ///
-/// With `dedup_insert`, each batch also runs the consumer's dedup statement for its ids (read
+/// With `dedup_insert`, each batch also runs the consumer's dedup statement for new ids (read
 /// from the `id` header, no decoding, no cache): what deduplication costs Postgres alone,
 /// without the framework around it.
 async fn batched_rate(
@@ -277,12 +277,11 @@ async fn batched_worker(
             let slices: Vec<i32> = ids.iter().map(outbox_consumer::dedup_slice).collect();
             sqlx::query(
                 "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice) \
-                 SELECT 'hand', t.id, t.slice FROM unnest($1::uuid[], $2::int[]) AS t(id, slice) \
-                 ON CONFLICT DO NOTHING RETURNING event_id",
+                 SELECT 'hand', t.id, t.slice FROM unnest($1::uuid[], $2::int[]) AS t(id, slice)",
             )
             .bind(&ids)
             .bind(&slices)
-            .fetch_all(&mut *tx)
+            .execute(&mut *tx)
             .await?;
         }
         for message in &batch {

@@ -100,11 +100,18 @@ impl RelaySql {
         };
         // Which earlier rows hold a key's later rows back before the LIMIT: those waiting for
         // their retry and (BlockKey) quarantined ones. Written so that they imply the predicate
-        // of the small index on such rows.
-        let waiting = "(h.status = 'pending' AND h.attempts > 0 AND h.next_attempt_at > now())";
+        // of the small index on such rows (migration 0005), and never say status = 'pending':
+        // that would also let the planner probe the pending index, which it did whenever its
+        // statistics dated from a fully published table (36 ms vs 7 ms per batch, bench P5).
         let held = match policy {
-            QuarantinePolicy::SkipQuarantined => waiting.to_owned(),
-            QuarantinePolicy::BlockKey => format!("(h.status = 'quarantined' OR {waiting})"),
+            QuarantinePolicy::SkipQuarantined => {
+                "(h.status <> 'published' AND h.status <> 'quarantined' \
+                  AND h.attempts > 0 AND h.next_attempt_at > now())"
+            }
+            QuarantinePolicy::BlockKey => {
+                "(h.status <> 'published' AND (h.status = 'quarantined' \
+                  OR (h.attempts > 0 AND h.next_attempt_at > now())))"
+            }
         };
         Self {
             // Lock a batch of due pending rows that no waiting or blocking row of their key

@@ -60,7 +60,7 @@ async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
 async fn migration_0003_accepts_indexes_built_concurrently_beforehand() -> Result<()> {
     let db = TestDb::new().await?;
     for statement in [
-        "DROP INDEX outbox_events_held_idx",
+        "DROP INDEX IF EXISTS outbox_events_held_idx",
         "DROP INDEX outbox_events_published_at_idx",
         "DELETE FROM outbox_events_migrations WHERE version = 3",
         "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
@@ -77,6 +77,32 @@ async fn migration_0003_accepts_indexes_built_concurrently_beforehand() -> Resul
     .fetch_one(&db.pool)
     .await?;
     assert!(applied);
+    Ok(())
+}
+
+/// Migration 0005 the same way: its index built concurrently beforehand, the migration only
+/// drops the index it replaces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_0005_accepts_its_index_built_concurrently_beforehand() -> Result<()> {
+    let db = TestDb::new().await?;
+    for statement in [
+        "DROP INDEX outbox_events_holding_idx",
+        "DELETE FROM outbox_events_migrations WHERE version = 5",
+        "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
+           WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
+        "CREATE INDEX CONCURRENTLY outbox_events_holding_idx ON outbox_events (aggregateid, seq) \
+           WHERE status <> 'published' AND (status = 'quarantined' OR attempts > 0)",
+    ] {
+        sqlx::query(statement).execute(&db.pool).await?;
+    }
+    outbox_core::migrate(&db.pool).await?;
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = current_schema() \
+           AND indexname IN ('outbox_events_held_idx', 'outbox_events_holding_idx')",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(indexes, ["outbox_events_holding_idx"]);
     Ok(())
 }
 

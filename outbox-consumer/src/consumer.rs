@@ -104,8 +104,9 @@ pub(crate) fn record_metric(consumer: &str, outcome: &Outcome) {
 ///
 /// For each batch of one partition's messages: decode under the wire contract (or quarantine);
 /// skip ids in the in-memory cache; in one transaction, insert the other ids into the dedup
-/// table (`ON CONFLICT DO NOTHING RETURNING`: an id not returned is a duplicate, skipped) and
-/// run the handler of each new one on the same transaction, then commit and remember the ids.
+/// table (a plain insert; when an id is already recorded, the batch is done again with `ON
+/// CONFLICT DO NOTHING RETURNING`: an id not returned is a duplicate, skipped) and run the
+/// handler of each new one on the same transaction, then commit and remember the ids.
 /// Cheap to clone.
 pub struct DedupConsumer<P, H> {
     pub(crate) inner: Arc<Inner<P, H>>,

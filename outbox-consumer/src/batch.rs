@@ -6,8 +6,8 @@
 //!
 //! Ids the cache does not know are almost always new (a redelivery follows a crash or a
 //! rebalance), so the batch first inserts them plainly: `ON CONFLICT DO NOTHING` inserts each
-//! row speculatively and confirms it, which made the dedup insert 1.4 times as costly (bench
-//! P4). An id already recorded fails that insert as a unique violation; the batch is then
+//! row speculatively and confirms it, which made the dedup insert about 1.4 times as costly
+//! (pgbench: 200 ids a transaction, 4 clients). An id already recorded fails that insert as a unique violation; the batch is then
 //! rolled back and tried again with `ON CONFLICT DO NOTHING RETURNING` (the ids returned are
 //! new), as are the consumer's batches after it until one finds no id recorded.
 //!
@@ -280,6 +280,9 @@ where
         slices: &[i32],
         recorded: bool,
     ) -> Result<HashSet<Uuid>, BatchFailure> {
+        if ids.is_empty() {
+            return Ok(HashSet::new());
+        }
         let inner = &*self.inner;
         let failed = |e: sqlx::Error| {
             if inner.missing_slice(&e) {
@@ -288,9 +291,6 @@ where
                 BatchFailure::from_statement(e)
             }
         };
-        if ids.is_empty() {
-            return Ok(HashSet::new());
-        }
         if recorded || inner.expect_duplicates.load(Ordering::Relaxed) {
             let new: HashSet<Uuid> = sqlx::query_scalar(inner.sql.insert_dedup_batch.clone())
                 .bind(&inner.name)

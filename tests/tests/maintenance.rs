@@ -53,24 +53,34 @@ async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
     Ok(())
 }
 
+/// Runs `statements` (an operator preparing a migration by hand), then the migrations.
+async fn migrate_after(db: &TestDb, statements: &[&'static str]) -> Result<()> {
+    for statement in statements {
+        sqlx::query(*statement).execute(&db.pool).await?;
+    }
+    outbox_core::migrate(&db.pool).await?;
+    Ok(())
+}
+
 /// The README's upgrade path for a large table: the indexes of migration 0003 built
 /// beforehand with `CREATE INDEX CONCURRENTLY` (which cannot run inside the migration's
 /// transaction) make the migration a no-op instead of a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migration_0003_accepts_indexes_built_concurrently_beforehand() -> Result<()> {
     let db = TestDb::new().await?;
-    for statement in [
-        "DROP INDEX IF EXISTS outbox_events_held_idx",
-        "DROP INDEX outbox_events_published_at_idx",
-        "DELETE FROM outbox_events_migrations WHERE version = 3",
-        "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
-           WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
-        "CREATE INDEX CONCURRENTLY outbox_events_published_at_idx ON outbox_events (published_at) \
-           WHERE status = 'published'",
-    ] {
-        sqlx::query(statement).execute(&db.pool).await?;
-    }
-    outbox_core::migrate(&db.pool).await?;
+    migrate_after(
+        &db,
+        &[
+            "DROP INDEX IF EXISTS outbox_events_held_idx",
+            "DROP INDEX outbox_events_published_at_idx",
+            "DELETE FROM outbox_events_migrations WHERE version = 3",
+            "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
+               WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
+            "CREATE INDEX CONCURRENTLY outbox_events_published_at_idx ON outbox_events (published_at) \
+               WHERE status = 'published'",
+        ],
+    )
+    .await?;
     let applied: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM outbox_events_migrations WHERE version = 3 AND success)",
     )
@@ -85,17 +95,18 @@ async fn migration_0003_accepts_indexes_built_concurrently_beforehand() -> Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migration_0005_accepts_its_index_built_concurrently_beforehand() -> Result<()> {
     let db = TestDb::new().await?;
-    for statement in [
-        "DROP INDEX outbox_events_holding_idx",
-        "DELETE FROM outbox_events_migrations WHERE version = 5",
-        "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
-           WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
-        "CREATE INDEX CONCURRENTLY outbox_events_holding_idx ON outbox_events (aggregateid, seq) \
-           WHERE status <> 'published' AND (status = 'quarantined' OR attempts > 0)",
-    ] {
-        sqlx::query(statement).execute(&db.pool).await?;
-    }
-    outbox_core::migrate(&db.pool).await?;
+    migrate_after(
+        &db,
+        &[
+            "DROP INDEX outbox_events_holding_idx",
+            "DELETE FROM outbox_events_migrations WHERE version = 5",
+            "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
+               WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
+            "CREATE INDEX CONCURRENTLY outbox_events_holding_idx ON outbox_events (aggregateid, seq) \
+               WHERE status <> 'published' AND (status = 'quarantined' OR attempts > 0)",
+        ],
+    )
+    .await?;
     let indexes: Vec<String> = sqlx::query_scalar(
         "SELECT indexname::text FROM pg_indexes WHERE schemaname = current_schema() \
            AND indexname IN ('outbox_events_held_idx', 'outbox_events_holding_idx')",

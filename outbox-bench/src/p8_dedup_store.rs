@@ -243,10 +243,16 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let lsn = wal_lsn(&old.pool).await?;
     let clock = Instant::now();
     let mut conn = old.pool.acquire().await?;
-    // The statement `prune` ran on the unsliced table before issue 16.
-    let delete = "DELETE FROM outbox_consumer_dedup WHERE ctid = ANY(ARRAY( \
-            SELECT ctid FROM outbox_consumer_dedup WHERE processed_at < now() - $1 * interval '1 millisecond' \
-            LIMIT $2))"
+    // The statement `prune` ran on the unsliced table before issue 16, with the key bound
+    // every batched delete has had since (delete_while_full), so the baseline is its best.
+    let delete = "WITH gone AS ( \
+            DELETE FROM outbox_consumer_dedup WHERE ctid = ANY(ARRAY( \
+                SELECT ctid FROM outbox_consumer_dedup \
+                WHERE processed_at < now() - $1 * interval '1 millisecond' \
+                  AND processed_at >= coalesce($3, '-infinity'::timestamptz) \
+                ORDER BY processed_at LIMIT $2)) \
+            RETURNING processed_at) \
+         SELECT count(*), max(processed_at) FROM gone"
         .to_owned();
     let deleted = outbox_core::delete_while_full(
         &mut conn,

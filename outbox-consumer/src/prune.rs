@@ -87,11 +87,17 @@ async fn prune_locked(
         slices_dropped += 1;
     }
     let timeless = Ident::new(format!("{}_timeless", dedup.as_str()))?;
-    // ctid lets each batch delete exactly the rows it selected, via the processed_at index.
+    // ctid lets each batch delete exactly the rows it selected, via the processed_at index,
+    // in its order from where the previous batch stopped (see delete_while_full).
     let delete = format!(
-        "DELETE FROM {timeless} WHERE ctid = ANY(ARRAY( \
-            SELECT ctid FROM {timeless} WHERE processed_at < now() - $1 * interval '1 millisecond' \
-            LIMIT $2))"
+        "WITH gone AS ( \
+            DELETE FROM {timeless} WHERE ctid = ANY(ARRAY( \
+                SELECT ctid FROM {timeless} \
+                WHERE processed_at < now() - $1 * interval '1 millisecond' \
+                  AND processed_at >= coalesce($3, '-infinity'::timestamptz) \
+                ORDER BY processed_at LIMIT $2)) \
+            RETURNING processed_at) \
+         SELECT count(*), max(processed_at) FROM gone"
     );
     let timeless_rows = outbox_core::delete_while_full(conn, delete, older_than, batch).await?;
     Ok(DedupPruned {

@@ -1,10 +1,21 @@
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection};
 
-/// Runs `delete` (a statement taking `$1` = age in milliseconds and `$2` = row limit) until a
-/// run deletes fewer than `batch` rows. Each run is its own short statement, so pruning never
-/// holds many locks for long and can run beside relays and consumers. Returns the total.
+/// Runs `delete` until a run deletes fewer than `batch` rows. Each run is its own short
+/// statement, so pruning never holds many locks for long and can run beside relays and
+/// consumers. Returns the total.
+///
+/// `delete` takes `$1` = age in milliseconds, `$2` = row limit and `$3` = the least prune key
+/// (a `timestamptz`, NULL on the first run) and returns one row: how many rows it deleted
+/// (`bigint`) and the greatest key among them. It must take its rows in key order from an
+/// index on the key, with `key >= coalesce($3, '-infinity')`: each run then starts its index
+/// scan where the previous one stopped. Without that bound every run walks the entries of
+/// the rows already deleted (dead until vacuum) from the start of the index, and a run of
+/// N batches costs O(N²) (bench P7: 17 ms per batch of 1,000 after 1.2M rows, 0.9 ms with
+/// it). A row skipped because another transaction held it, or published behind the bound
+/// while the run went on, waits for the next run.
 ///
 /// One instance at a time prunes `table` (the table the name resolves to on this connection,
 /// keyed by its oid, so outboxes in other schemas prune independently): the others find its
@@ -74,18 +85,20 @@ pub async fn delete_while_full(
     older_than: Duration,
     batch: u32,
 ) -> Result<u64, sqlx::Error> {
-    let batch = batch.max(1);
+    let batch = i64::from(batch.max(1));
     let mut removed = 0;
+    let mut from: Option<DateTime<Utc>> = None;
     loop {
-        let n = sqlx::query(AssertSqlSafe(delete.clone()))
+        let (n, last): (i64, Option<DateTime<Utc>>) = sqlx::query_as(AssertSqlSafe(delete.clone()))
             .bind(older_than.as_secs_f64() * 1000.0)
-            .bind(i64::from(batch))
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
-        removed += n;
-        if n < u64::from(batch) {
+            .bind(batch)
+            .bind(from)
+            .fetch_one(&mut *conn)
+            .await?;
+        removed += u64::try_from(n).unwrap_or(0);
+        if n < batch {
             return Ok(removed);
         }
+        from = last;
     }
 }

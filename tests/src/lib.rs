@@ -285,6 +285,29 @@ where
     }
 }
 
+/// Blocks of `index` (in `schema`) read or found in shared buffers so far, as the statistics
+/// have them once this connection's own counters are flushed: run the statements to count on
+/// the same connection, between two calls.
+pub async fn index_blocks_accessed(
+    conn: &mut sqlx::PgConnection,
+    schema: &str,
+    index: &str,
+) -> Result<i64> {
+    // The backend flushes its counters when it goes idle after this statement, so the next
+    // one (a new transaction, a new statistics snapshot) reads them.
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *conn)
+        .await?;
+    Ok(sqlx::query_scalar(
+        "SELECT idx_blks_read + idx_blks_hit FROM pg_statio_user_indexes \
+         WHERE schemaname = $1 AND indexrelname = $2",
+    )
+    .bind(schema)
+    .bind(index)
+    .fetch_one(conn)
+    .await?)
+}
+
 /// Rows of the test's outbox with `status`.
 pub async fn count_status(pool: &PgPool, status: &str) -> Result<i64> {
     Ok(
@@ -361,7 +384,8 @@ pub fn event_message(
 }
 
 /// A tracing subscriber that keeps the statements sqlx ran while it was the current one (sqlx
-/// logs each statement's text: target `sqlx::query`, field `db.statement`, prepared or not).
+/// logs each statement's text: target `sqlx::query`, field `db.statement`, prepared or not),
+/// and the notices and warnings Postgres sent, as `notice: <message>`.
 /// Use it with `tracing::instrument::WithSubscriber::with_subscriber`.
 #[derive(Debug, Clone, Default)]
 pub struct Statements(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
@@ -395,9 +419,19 @@ impl tracing::field::Visit for StatementField<'_> {
     fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
 }
 
+struct NoticeField<'a>(&'a mut Option<String>);
+
+impl tracing::field::Visit for NoticeField<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            *self.0 = Some(format!("notice: {value:?}"));
+        }
+    }
+}
+
 impl tracing::Subscriber for Statements {
     fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        metadata.target() == "sqlx::query"
+        matches!(metadata.target(), "sqlx::query" | "sqlx::postgres::notice")
     }
 
     fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
@@ -410,7 +444,11 @@ impl tracing::Subscriber for Statements {
 
     fn event(&self, event: &tracing::Event<'_>) {
         let mut statement = None;
-        event.record(&mut StatementField(&mut statement));
+        if event.metadata().target() == "sqlx::query" {
+            event.record(&mut StatementField(&mut statement));
+        } else {
+            event.record(&mut NoticeField(&mut statement));
+        }
         if let (Some(s), Ok(mut all)) = (statement, self.0.lock()) {
             all.push(s);
         }

@@ -12,7 +12,8 @@ use outbox_consumer::{
 };
 use outbox_core::{EventId, TableNames};
 use outbox_tests::{
-    TestDb, event_message, eventually, kafka_bootstrap, produce_raw, random_topic, unique,
+    TestDb, event_message, eventually, index_blocks_accessed, kafka_bootstrap, produce_raw,
+    random_topic, unique,
 };
 use serde::Deserialize;
 use sqlx::{PgConnection, PgPool};
@@ -298,6 +299,42 @@ async fn a_second_pruner_returns_at_once_with_nothing_removed() -> Result<()> {
     outbox_core::prune_unlock(&mut first, &dedup).await?;
     let pruned = outbox_consumer::prune(&mut second, &TableNames::default(), WEEK, 100).await?;
     assert_eq!(pruned.slices_dropped, 1);
+    Ok(())
+}
+
+/// The timeless slice is pruned in batches, each starting its index scan where the previous
+/// one stopped: with autovacuum off, the entries of the rows already deleted stay, and a run
+/// whose every batch started from the beginning of the index would walk them all again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_run_reads_the_timeless_slices_index_once_through() -> Result<()> {
+    const ROWS: i64 = 20_000;
+    const BATCH: u32 = 100;
+    let db = TestDb::new().await?;
+    let mut conn = db.pool.acquire().await?;
+    sqlx::query("ALTER TABLE outbox_consumer_dedup_timeless SET (autovacuum_enabled = false)")
+        .execute(&mut *conn)
+        .await?;
+    // UUIDv4 ids (slice 0), processed one a second, over a week before the TTL.
+    sqlx::query(
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice, processed_at) \
+         SELECT 'c1', gen_random_uuid(), 0, now() - interval '14 days' + g * interval '1 second' \
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(ROWS)
+    .execute(&mut *conn)
+    .await?;
+    let index = "outbox_consumer_dedup_timeless_processed_at_idx";
+    let before = index_blocks_accessed(&mut conn, &db.schema, index).await?;
+    let pruned = outbox_consumer::prune(&mut conn, &TableNames::default(), WEEK, BATCH).await?;
+    let read = index_blocks_accessed(&mut conn, &db.schema, index).await? - before;
+    assert_eq!(pruned.timeless_rows, ROWS as u64);
+    // A batch descends the tree (two levels here) and reads the leaf or two holding its rows;
+    // starting every batch at the beginning reads thousands more over this run.
+    let batches = ROWS / i64::from(BATCH) + 1;
+    assert!(
+        read <= 6 * batches,
+        "{read} index blocks for {batches} batches"
+    );
     Ok(())
 }
 

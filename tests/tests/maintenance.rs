@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_producer::{NewEvent, TableNames};
-use outbox_tests::{TestDb, count_status};
+use outbox_tests::{TestDb, count_status, index_blocks_accessed};
 use serde_json::json;
+use sqlx::Connection;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_pruner_skips_while_one_holds_the_table() -> Result<()> {
@@ -155,5 +156,94 @@ async fn a_pruner_of_another_schemas_outbox_is_not_held_back() -> Result<()> {
         pruned, 4,
         "another schema's pruner holds only its own table"
     );
+    Ok(())
+}
+
+/// Each batch of a prune run starts its index scan where the previous batch stopped. With
+/// autovacuum off, the index entries of the rows already deleted stay, as they do while a long
+/// run outpaces autovacuum: a run whose every batch started from the beginning of the index
+/// would walk them all again, O(N²) over the run (bench P7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_run_reads_the_published_at_index_once_through() -> Result<()> {
+    const ROWS: i64 = 20_000;
+    const BATCH: u32 = 100;
+    let db = TestDb::new().await?;
+    let mut conn = db.pool.acquire().await?;
+    sqlx::query("ALTER TABLE outbox_events SET (autovacuum_enabled = false)")
+        .execute(&mut *conn)
+        .await?;
+    // One a second, two days ago: all due, in published_at order.
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic, \
+                                    status, attempts, published_at) \
+         SELECT gen_random_uuid(), 'order', 'k' || (g % 100), 'OrderChanged', '{}', 't', \
+                'published', 1, now() - interval '2 days' + g * interval '1 second' \
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(ROWS)
+    .execute(&mut *conn)
+    .await?;
+    let index = "outbox_events_published_at_idx";
+    let before = index_blocks_accessed(&mut conn, &db.schema, index).await?;
+    let pruned = outbox_producer::prune_published(
+        &mut conn,
+        &TableNames::default(),
+        Duration::from_secs(3600),
+        BATCH,
+    )
+    .await?;
+    let read = index_blocks_accessed(&mut conn, &db.schema, index).await? - before;
+    assert_eq!(pruned, ROWS as u64);
+    // A batch descends the tree (two levels here) and reads the leaf or two holding its rows;
+    // starting every batch at the beginning reads about 5,000 more over this run.
+    let batches = ROWS / i64::from(BATCH) + 1;
+    assert!(
+        read <= 6 * batches,
+        "{read} index blocks for {batches} batches"
+    );
+    Ok(())
+}
+
+/// `stats()` reads without JIT and parallel workers (their start-up outweighs its bounded
+/// reads on large tables, bench P7), and leaves the caller's settings and transaction as they
+/// were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_read_without_jit_or_workers_and_leave_the_session_as_it_was() -> Result<()> {
+    use tracing::instrument::WithSubscriber;
+    let db = TestDb::new().await?;
+    let tables = TableNames::default();
+    let settings = "SELECT current_setting('jit') || ' ' || \
+                    current_setting('max_parallel_workers_per_gather')";
+    let mut conn = db.pool.acquire().await?;
+    let session: String = sqlx::query_scalar(settings).fetch_one(&mut *conn).await?;
+    let statements = outbox_tests::Statements::default();
+    async { outbox_producer::stats(&mut conn, &tables).await }
+        .with_subscriber(tracing::Dispatch::new(statements.clone()))
+        .await?;
+    let all = statements.all();
+    let position = |marker: &str| all.iter().position(|s| s.contains(marker));
+    let (off, read) = (
+        position("SET LOCAL jit = off; SET LOCAL max_parallel_workers_per_gather = 0"),
+        position("oldest_pending_age_ms"),
+    );
+    assert!(
+        matches!((off, read), (Some(o), Some(r)) if o < r),
+        "{all:#?}"
+    );
+    // Outside a transaction block Postgres would warn and ignore SET LOCAL.
+    assert_eq!(position("notice:"), None, "{all:#?}");
+    let after: String = sqlx::query_scalar(settings).fetch_one(&mut *conn).await?;
+    assert_eq!(after, session);
+
+    // Inside the caller's transaction: its writes stay, uncommitted, and so do its settings.
+    let mut tx = conn.begin().await?;
+    let e = NewEvent::new("order", "k", "OrderChanged", &json!({ "n": 1 }))?;
+    outbox_producer::enqueue(&mut tx, &e).await?;
+    let stats = outbox_producer::stats(&mut tx, &tables).await?;
+    assert_eq!(stats.pending, 1);
+    let after: String = sqlx::query_scalar(settings).fetch_one(&mut *tx).await?;
+    assert_eq!(after, session);
+    tx.commit().await?;
+    assert_eq!(count_status(&db.pool, "pending").await?, 1);
     Ok(())
 }

@@ -31,7 +31,8 @@ pub enum Outcome {
     /// Stored in the quarantine table, with this reason: the record breaks the contract or a
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
-    /// `too_large`), or its attempts ran out (`handler_failed`: the handler returned an error
+    /// `too_large`, `id_ahead`: a UUIDv7 id dated more than a day ahead of this machine's
+    /// clock), or its attempts ran out (`handler_failed`: the handler returned an error
     /// or panicked; `handler_rejected`: it said [`HandlerError::Quarantine`](crate::HandlerError::Quarantine); `commit_failed`: the database rejected the COMMIT, e.g. a deferred
     /// constraint; `transaction_failed`: it rejected the consumer's own dedup statement).
     Quarantined(&'static str),

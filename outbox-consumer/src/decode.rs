@@ -9,6 +9,7 @@ use rdkafka::message::{Headers, OwnedMessage};
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
+use crate::slice::{dedup_slice, today};
 use crate::{ConsumerConfig, Event, RawHeader};
 
 /// Why a record cannot be handled: the quarantine row's `reason` and `error`, and the event id
@@ -68,6 +69,18 @@ pub(crate) fn decode<P: DeserializeOwned>(
         Rejected::new(e.kind(), e.to_string(), id)
     })?;
     let uuid = Some(*id.as_uuid());
+    // Each day a UUIDv7 id names gets a dedup slice table, made when first met and dropped
+    // once the day is past the TTL: ids dated ahead would make tables that stay for as long,
+    // one per distinct day a producer's clock or a crafted id names. A day of slack covers
+    // clocks that disagree and the slice made ahead for tomorrow.
+    let (day, latest) = (dedup_slice(id.as_uuid()), today().saturating_add(1));
+    if day > latest {
+        let error = format!(
+            "event id {id} is dated day {day} since the epoch, after day {latest}: \
+             requeue it once its day has come, or correct its producer's clock"
+        );
+        return Err(Rejected::new("id_ahead", error, uuid));
+    }
     if let Some(allowed) = &config.event_types
         && !event_type.as_ref().is_some_and(|t| allowed.contains(t))
     {

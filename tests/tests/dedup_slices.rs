@@ -117,13 +117,13 @@ async fn the_slice_function_in_sql_and_in_rust_agree() -> Result<()> {
 }
 
 /// Every kind of id deduplicates, in its own slice; a day with no slice yet (an event from a
-/// producer whose clock runs days ahead, an old event replayed) gets one from the consumer,
+/// producer whose clock runs a day ahead, an old event replayed) gets one from the consumer,
 /// which never fails for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_id_is_deduplicated_in_its_own_slice() -> Result<()> {
     let db = TestDb::new().await?;
     effects_table(&db.pool).await?;
-    let ids = [decided(0), decided(3), decided(-30), timeless()];
+    let ids = [decided(0), decided(1), decided(-30), timeless()];
     let none = CancellationToken::new();
     for round in 0..2 {
         // A new consumer each round: no cache, so the second round meets the dedup rows.
@@ -147,6 +147,46 @@ async fn every_kind_of_id_is_deduplicated_in_its_own_slice() -> Result<()> {
         })
         .collect();
     assert_eq!(slice_tables(&db.pool, &ids).await?, expected);
+    Ok(())
+}
+
+/// An id dated more than a day ahead is quarantined (`id_ahead`), with its id, and makes no
+/// slice: each such day would make a table that stays until the day is past the TTL, as many
+/// as a broken clock or crafted ids name. Its partition goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_dated_days_ahead_is_quarantined_and_makes_no_slice() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let none = CancellationToken::new();
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (ahead, next) = (decided(3), decided(0));
+    let message = |offset, id| event_message("t", offset, id, r#"{"n":1}"#);
+    assert_eq!(
+        c.process(&message(0, ahead), &none).await?,
+        Outcome::Quarantined("id_ahead")
+    );
+    assert_eq!(
+        c.process(&message(1, next), &none).await?,
+        Outcome::Processed
+    );
+    assert_eq!(effects(&db.pool).await?, (1, 1));
+    let (event_id, reason): (Option<Uuid>, String) = sqlx::query_as(
+        "SELECT event_id, reason FROM outbox_consumer_quarantine WHERE consumer = 'c1'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(
+        (event_id, reason.as_str()),
+        (Some(*ahead.as_uuid()), "id_ahead")
+    );
+    let slice: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!(
+            "outbox_consumer_dedup_d{}",
+            dedup_slice(ahead.as_uuid())
+        ))
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(slice, None, "no slice for the day ahead");
     Ok(())
 }
 

@@ -243,24 +243,24 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let lsn = wal_lsn(&old.pool).await?;
     let clock = Instant::now();
     let mut conn = old.pool.acquire().await?;
-    // The statement `prune` ran on the unsliced table before issue 16, with the key bound
-    // every batched delete has had since (delete_while_full), so the baseline is its best.
-    let delete = "WITH gone AS ( \
-            DELETE FROM outbox_consumer_dedup WHERE ctid = ANY(ARRAY( \
+    // The statements `prune` ran on the unsliced table before issue 16, as it ran them.
+    let mut deleted = 0;
+    loop {
+        let n = sqlx::query(
+            "DELETE FROM outbox_consumer_dedup WHERE ctid = ANY(ARRAY( \
                 SELECT ctid FROM outbox_consumer_dedup \
-                WHERE processed_at < now() - $1 * interval '1 millisecond' \
-                  AND processed_at >= coalesce($3, '-infinity'::timestamptz) \
-                ORDER BY processed_at LIMIT $2)) \
-            RETURNING processed_at) \
-         SELECT count(*), max(processed_at) FROM gone"
-        .to_owned();
-    let deleted = outbox_core::delete_while_full(
-        &mut conn,
-        delete,
-        Duration::from_secs(7 * 24 * 3600),
-        1_000,
-    )
-    .await?;
+                WHERE processed_at < now() - $1 * interval '1 millisecond' LIMIT $2))",
+        )
+        .bind(7.0 * 24.0 * 3600.0 * 1000.0)
+        .bind(1_000_i64)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        deleted += n;
+        if n < 1_000 {
+            break;
+        }
+    }
     let delete_s = clock.elapsed().as_secs_f64();
     let delete_wal = wal_since(&old.pool, &lsn).await?;
     drop(conn);

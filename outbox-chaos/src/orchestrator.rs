@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::checker::{self, Target};
 use crate::children::producer::key_name;
+use crate::children::relay::Policy;
 use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::faults::Chaos;
@@ -150,6 +151,7 @@ async fn run_one(
         keys: profile.keys,
         producer_pause_ms: profile.producer_pause_ms,
         relay_retry: profile.relay_retry,
+        relay_policy: Policy::default(),
     };
     let fleet = Arc::new(Mutex::new(Fleet::new(launch, seed)));
     let producer = start_fleet(&fleet, profile)?;

@@ -131,7 +131,7 @@ async fn run_one(
     let topic_spec = TopicSpec {
         partitions: profile.partitions,
         replication: broker.size(),
-        configs: if long_faults.is_some_and(|l| l.stuck_key) {
+        configs: if long_faults.is_some_and(|l| l.stuck_key || l.blocked_key) {
             &stuck_key_configs
         } else {
             &[]

@@ -15,7 +15,8 @@ pub(crate) enum ProfileName {
     Cluster,
     /// The test suite's too: a short fault phase, then long faults one after another (the
     /// broker down for minutes, Postgres stopped, a key stuck behind a row the broker
-    /// rejects, the topic deleted and re-created), each timed until everything drained.
+    /// rejects under each quarantine policy, the topic deleted and re-created), each timed
+    /// until everything drained.
     Liveness,
 }
 
@@ -28,8 +29,12 @@ pub(crate) struct LongFaults {
     /// How long the run's own Postgres server stays stopped (`None`: no such fault, and the
     /// run uses the shared server).
     pub(crate) pg_outage: Option<Duration>,
-    /// A row the broker rejects for good, with a backlog of its key behind it.
+    /// A row the broker rejects for good, with a backlog of its key behind it, under the
+    /// relays' default `SkipQuarantined` policy.
     pub(crate) stuck_key: bool,
+    /// The same with the relays restarted under `BlockKey`: the backlog waits until the
+    /// harness, as the operator, discards the row.
+    pub(crate) blocked_key: bool,
     /// How long the topic stays deleted before it is created again (`None`: no such fault).
     pub(crate) topic_absence: Option<Duration>,
     /// The relays' retry settings while the topic is missing (see `long_faults.rs`).
@@ -153,6 +158,7 @@ impl Profile {
                     broker_outage: Duration::from_secs(130),
                     pg_outage: Some(Duration::from_secs(25)),
                     stuck_key: true,
+                    blocked_key: true,
                     topic_absence: Some(Duration::from_secs(12)),
                     // While the topic is missing, every row of it fails with the broker's
                     // answer and is charged an attempt: 20 attempts 0.5-5 s apart (at

@@ -78,6 +78,10 @@ impl LongFaultPhase<'_> {
     /// Runs the planned long faults in turn; returns each one's liveness figure.
     pub(crate) async fn run(&mut self) -> Result<Vec<Figure>> {
         lock(self.fleet).faults_on = false;
+        if let Some(retry) = self.plan.relay_retry {
+            self.restart_relays(|launch| launch.relay_retry = retry)
+                .await?;
+        }
         for key in [STUCK_KEY, BLOCKED_KEY, MARKER_KEY] {
             sqlx::query("INSERT INTO chaos_state (key) VALUES ($1) ON CONFLICT DO NOTHING")
                 .bind(key)

@@ -34,7 +34,7 @@
 //! ```text
 //! outbox-chaos run --profile ci            # ≈2–3 minutes (the test suite runs this)
 //! outbox-chaos run --profile cluster       # ≈3 minutes, three brokers (the test suite too)
-//! outbox-chaos run --profile long --seed 7 # ≈25 minutes (five runs, long faults in the first)
+//! outbox-chaos run --profile long --seed 7 # ≈22 minutes (five runs, long faults in the first)
 //! outbox-chaos run --profile liveness      # ≈5 minutes: the long faults (the test suite too)
 //! ```
 //! The `liveness` profile follows a short fault loop with long faults ([`long_faults`]): the

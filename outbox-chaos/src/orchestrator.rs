@@ -30,7 +30,7 @@ const GROUP_B: &str = "chaos-b";
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
     /// `ci` (≈2–3 min, the test suite's), `cluster` (the same on three brokers, partition
-    /// leaders killed), `long` (≈25 min, five runs, the first with the long faults) or
+    /// leaders killed), `long` (≈22 min, five runs, the first with the long faults) or
     /// `liveness` (≈5 min, long faults).
     #[arg(long, value_enum, default_value = "ci")]
     profile: ProfileName,

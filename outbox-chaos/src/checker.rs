@@ -33,6 +33,17 @@ struct OutboxRow {
     status: String,
     version: Option<i64>,
     last_error: Option<String>,
+    published_at: Option<DateTime<Utc>>,
+}
+
+/// A row the harness discarded as the operator (`chaos_operator_discards`).
+#[derive(Debug, sqlx::FromRow)]
+struct DiscardRow {
+    event_id: Uuid,
+    key: String,
+    seq: i64,
+    last_error: Option<String>,
+    discarded_at: DateTime<Utc>,
 }
 
 #[derive(Debug, sqlx::FromRow)]
@@ -72,6 +83,31 @@ fn n(len: usize) -> u64 {
     u64::try_from(len).unwrap_or(u64::MAX)
 }
 
+/// Rows published before the operator discarded an earlier quarantined row of their key:
+/// under `BlockKey` the key's later rows wait for that. Exact, since a row is marked
+/// published (`clock_timestamp()`) only after its claim, which cannot pass the quarantined
+/// row before the discard's commit, and `discarded_at` is taken before that commit.
+fn published_past_block<'a>(
+    outbox: &[OutboxRow],
+    discards: impl Iterator<Item = &'a DiscardRow>,
+) -> Vec<String> {
+    let mut early = Vec::new();
+    for d in discards {
+        for row in outbox
+            .iter()
+            .filter(|r| r.aggregateid == d.key && r.seq > d.seq)
+        {
+            if row.published_at.is_some_and(|at| at < d.discarded_at) {
+                early.push(format!(
+                    "key {} seq {} published at {:?}, before seq {} was discarded at {}",
+                    d.key, row.seq, row.published_at, d.seq, d.discarded_at
+                ));
+            }
+        }
+    }
+    early
+}
+
 /// Runs every check; the returned summary has `runs = 1` and no fault counts.
 pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     let mut s = Summary {
@@ -80,13 +116,23 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     };
     let outbox_table = &t.tables.outbox;
     let outbox: Vec<OutboxRow> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT seq, id, aggregateid, status, (payload->>'version')::bigint AS version, last_error \
+        "SELECT seq, id, aggregateid, status, (payload->>'version')::bigint AS version, last_error, \
+                published_at \
          FROM {outbox_table} ORDER BY seq"
     )))
     .fetch_all(t.pool)
     .await?;
     let committed: HashMap<Uuid, &OutboxRow> = outbox.iter().map(|r| (r.id, r)).collect();
-    s.events_committed = n(committed.len());
+    // Rows the operator deleted were committed all the same (their state rows are there).
+    let discards: HashMap<Uuid, DiscardRow> = sqlx::query_as::<_, DiscardRow>(
+        "SELECT event_id, key, seq, last_error, discarded_at FROM chaos_operator_discards",
+    )
+    .fetch_all(t.pool)
+    .await?
+    .into_iter()
+    .map(|d| (d.event_id, d))
+    .collect();
+    s.events_committed = n(committed.len() + discards.len());
     s.pending = n(outbox.iter().filter(|r| r.status == "pending").count());
     // Rows made to fail for good on purpose: quarantined with their reason, and missing from
     // the topic and the effects by design. Any other quarantined row is a violation.
@@ -103,24 +149,32 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     let mut expected_failures = Vec::new();
     for (id, reason) in &expected {
         s.expected_quarantine_planned += 1;
-        match committed.get(id) {
-            Some(row)
-                if row.status == "quarantined"
-                    && row
-                        .last_error
-                        .as_deref()
-                        .is_some_and(|e| e.contains(reason.as_str())) =>
-            {
-                s.expected_quarantined += 1;
-            }
-            other => expected_failures.push(format!(
-                "{id}: expected quarantined with {reason}, got {:?}",
-                other.map(|r| (&r.status, &r.last_error))
-            )),
+        let has_reason =
+            |e: &Option<String>| e.as_deref().is_some_and(|e| e.contains(reason.as_str()));
+        // A discarded row is judged by what it was when the operator discarded it.
+        let quarantined = match (committed.get(id), discards.get(id)) {
+            (Some(row), None) => row.status == "quarantined" && has_reason(&row.last_error),
+            (None, Some(discard)) => has_reason(&discard.last_error),
+            _ => false,
+        };
+        if quarantined {
+            s.expected_quarantined += 1;
+        } else {
+            expected_failures.push(format!(
+                "{id}: expected quarantined with {reason}, got {:?}, discarded {:?}",
+                committed.get(id).map(|r| (&r.status, &r.last_error)),
+                discards.get(id),
+            ));
         }
     }
     report("rows expected in quarantine", &expected_failures);
     s.expected_quarantine_failures = n(expected_failures.len());
+    let past_block = published_past_block(&outbox, discards.values());
+    report(
+        "published while an earlier row of the key was blocked",
+        &past_block,
+    );
+    s.published_past_block = n(past_block.len());
 
     // Deletions of the topic: the events it held then are verified by their effects only.
     let deletions: Vec<DateTime<Utc>> =
@@ -145,7 +199,7 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
             .collect();
     let never_committed: HashSet<Uuid> = attempts
         .iter()
-        .filter(|id| !committed.contains_key(id))
+        .filter(|id| !committed.contains_key(id) && !discards.contains_key(id))
         .copied()
         .collect();
     s.rolled_back = n(never_committed.len());
@@ -162,7 +216,7 @@ pub(crate) async fn check(t: &Target<'_>) -> Result<Summary> {
     for (id, key, version) in &state_log {
         log_by_id.entry(*id).or_default().push((key, *version));
         versions_by_key.entry(key).or_default().push(*version);
-        if !committed.contains_key(id) {
+        if !committed.contains_key(id) && !discards.contains_key(id) {
             atomicity.push(format!("state row without outbox row: {id}"));
         }
     }

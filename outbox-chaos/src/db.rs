@@ -54,6 +54,16 @@ CREATE TABLE chaos_expected_quarantine (
     event_id        UUID PRIMARY KEY,
     reason_contains TEXT NOT NULL
 );
+-- Rows of chaos_expected_quarantine that the harness, acting as the operator, discarded
+-- (deleted from the outbox) while the relays ran with `BlockKey`: what the row looked like
+-- when it went, and when. No later row of its key may have been published before then.
+CREATE TABLE chaos_operator_discards (
+    event_id     UUID        PRIMARY KEY,
+    key          TEXT        NOT NULL,
+    seq          BIGINT      NOT NULL,
+    last_error   TEXT,
+    discarded_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+);
 -- Deletions of the topic (each starts a new epoch of it), and the events the topic held
 -- when it was deleted: those were applied by every group before the deletion and are
 -- verified by their effects only, since the topic no longer has them.

@@ -9,9 +9,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use clap::ValueEnum;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::children::relay::Policy;
 use crate::children::{
     EXIT_CONSUMER_AFTER_COMMIT, EXIT_PRODUCER_AFTER_COMMIT, EXIT_PRODUCER_BEFORE_COMMIT,
     EXIT_RELAY_AFTER_ACK,
@@ -75,6 +77,8 @@ pub(crate) struct Launch {
     pub(crate) producer_pause_ms: (u64, u64),
     /// How relays retry a row that failed (see [`RelayRetry`]).
     pub(crate) relay_retry: RelayRetry,
+    /// Whether a quarantined row holds back its key's later rows.
+    pub(crate) relay_policy: Policy,
 }
 
 /// The relays' retry settings, passed on their command line.
@@ -175,6 +179,9 @@ impl Fleet {
                 ];
                 if let Some(ms) = retry.message_timeout_ms {
                     a.push(format!("--message-timeout-ms={ms}"));
+                }
+                if let Some(policy) = l.relay_policy.to_possible_value() {
+                    a.push(format!("--quarantine-policy={}", policy.get_name()));
                 }
                 if self.faults_on && *crash_slot {
                     a.push(format!(

@@ -11,12 +11,9 @@
 //! * **Postgres stopped**: the run's own server is stopped (`pg_ctl stop -m immediate`) for
 //!   tens of seconds and started again on the same data directory; the fault ends when it
 //!   accepts connections.
-//! * **Stuck key**: a row of one key whose payload is over the topic's `max.message.bytes`
-//!   (the broker rejects it for good), then a backlog of 3 × the largest relay batch of the
-//!   same key, while the producer goes on with the other keys. The row must be quarantined
-//!   (`Permanent ... MessageSizeTooLarge`); under the relays' `SkipQuarantined` policy the
-//!   backlog flows after it. Timed from the failing row's commit, for the other keys and for
-//!   everything.
+//! * **Stuck key**, under either quarantine policy (`stuck_key.rs`): a row the broker rejects
+//!   for good, then a backlog of its key. Under `SkipQuarantined` the backlog flows after the
+//!   quarantined row; under `BlockKey` it waits for the operator, who discards the row.
 //! * **Topic deleted and re-created**: deleting a topic drops what it holds, which is the
 //!   operator's data loss, not the framework's. So the relays stop first (gracefully) and both
 //!   groups consume everything published, then the consumers stop; the topic's events are
@@ -41,14 +38,15 @@ use crate::broker::Down;
 use crate::children::producer::write_event;
 use crate::cluster::Cluster;
 use crate::db::ChaosDb;
-use crate::fleet::{Fleet, MAX_RELAY_BATCH, Role, lock, wait_fleet};
+use crate::fleet::{Fleet, Launch, Role, lock, wait_fleet};
 use crate::kafka::TopicSpec;
 use crate::pg_server::{LocalPg, StopMode};
 use crate::profile::LongFaults;
 use crate::summary::Kind;
 
-/// The key the stuck-key fault writes (the producer's keys are `k000`, `k001`, ...).
-pub(crate) const STUCK_KEY: &str = "kstuck";
+mod stuck_key;
+
+use stuck_key::{BLOCKED_KEY, STUCK_KEY};
 
 /// The key of the marker event the harness commits as soon as a fault has ended: the
 /// figure waits for it too, so it measures that the pipeline moves again, not only that
@@ -80,7 +78,11 @@ impl LongFaultPhase<'_> {
     /// Runs the planned long faults in turn; returns each one's liveness figure.
     pub(crate) async fn run(&mut self) -> Result<Vec<Figure>> {
         lock(self.fleet).faults_on = false;
-        for key in [STUCK_KEY, MARKER_KEY] {
+        if let Some(retry) = self.plan.relay_retry {
+            self.restart_relays(|launch| launch.relay_retry = retry)
+                .await?;
+        }
+        for key in [STUCK_KEY, BLOCKED_KEY, MARKER_KEY] {
             sqlx::query("INSERT INTO chaos_state (key) VALUES ($1) ON CONFLICT DO NOTHING")
                 .bind(key)
                 .execute(&self.db.pool)
@@ -98,6 +100,9 @@ impl LongFaultPhase<'_> {
         }
         if self.plan.stuck_key {
             figures.push((Kind::StuckKey, self.stuck_key().await?));
+        }
+        if self.plan.blocked_key {
+            figures.extend(self.blocked_key().await?);
         }
         if let Some(absence) = self.plan.topic_absence {
             figures.push((Kind::TopicRecreate, self.topic_recreate(absence).await?));
@@ -152,72 +157,8 @@ impl LongFaultPhase<'_> {
         self.time_drain(watermark, None, back).await
     }
 
-    async fn stuck_key(&mut self) -> Result<Duration> {
-        let pool = &self.db.pool;
-        let outbox = Outbox::new(self.tables);
-        // The failing row: its payload is over the topic's limit, not the client's
-        // (`message.max.bytes`, 1 MB), so it is the broker that refuses it.
-        let big = Uuid::new_v4();
-        sqlx::query(
-            "INSERT INTO chaos_expected_quarantine (event_id, reason_contains) VALUES ($1, $2)",
-        )
-        .bind(big)
-        .bind("MessageSizeTooLarge")
-        .execute(pool)
-        .await?;
-        write_batch(
-            pool,
-            &outbox,
-            self.topic,
-            STUCK_KEY,
-            &[big],
-            "s".repeat(2 * TOPIC_MAX_MESSAGE_BYTES),
-        )
-        .await?;
-        let since = Instant::now();
-        lock(self.fleet).counts.add(Kind::StuckKey, 1);
-        // The backlog behind it: 3 x the largest batch a relay runs with.
-        let backlog = 3 * MAX_RELAY_BATCH as usize;
-        for chunk in 0..backlog.div_ceil(40) {
-            let n = 40.min(backlog - chunk * 40);
-            let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
-            write_batch(pool, &outbox, self.topic, STUCK_KEY, &ids, String::new()).await?;
-        }
-        tracing::info!(
-            key = STUCK_KEY,
-            backlog,
-            "long fault: a row the broker rejects for good, its key's backlog behind it"
-        );
-        let watermark = self.mark().await?;
-        let others = self.time_drain(watermark, Some(STUCK_KEY), since).await?;
-        tracing::info!(took = ?others, "stuck key: the other keys flowed");
-        let all = self.time_drain(watermark, None, since).await?;
-        let status: Option<(String, Option<String>)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT status, last_error FROM {} WHERE id = $1",
-            self.tables.outbox
-        )))
-        .bind(big)
-        .fetch_optional(pool)
-        .await?;
-        tracing::info!(?status, took = ?all, "stuck key: its backlog flowed after the failing row");
-        Ok(all)
-    }
-
     async fn topic_recreate(&mut self, absence: Duration) -> Result<Duration> {
-        let relays = lock(self.fleet).slots_where(|r| matches!(r, Role::Relay { .. }));
-        {
-            let mut fleet = lock(self.fleet);
-            for &i in &relays {
-                fleet.stop(i, false);
-            }
-        }
-        if !wait_fleet(self.fleet, Duration::from_secs(30), |f| {
-            relays.iter().all(|&i| f.exited(i))
-        })
-        .await?
-        {
-            bail!("the relays did not stop within 30 s");
-        }
+        let relays = self.stop_relays().await?;
         // Quiesced: everything published was applied by every group, and every malformed
         // record quarantined by every group, before the topic and what it holds go.
         let began = Instant::now();
@@ -274,13 +215,8 @@ impl LongFaultPhase<'_> {
             ?absence,
             "long fault: topic deleted (its events verified by their effects from now on)"
         );
-        {
-            let mut fleet = lock(self.fleet);
-            fleet.launch_mut().relay_retry = self.plan.topic_fault_retry;
-            for &i in &relays {
-                fleet.resume(i)?;
-            }
-        }
+        let retry = self.plan.topic_fault_retry;
+        self.resume_relays(&relays, |launch| launch.relay_retry = retry)?;
         tokio::time::sleep(absence).await;
         crate::kafka::create_topic(&brokers, self.topic, self.topic_spec, true).await?;
         let back = Instant::now();
@@ -296,6 +232,44 @@ impl LongFaultPhase<'_> {
         );
         let watermark = self.mark().await?;
         self.time_drain(watermark, None, back).await
+    }
+
+    /// Stops every relay gracefully and waits until they have exited; returns their slots.
+    async fn stop_relays(&self) -> Result<Vec<usize>> {
+        let relays = lock(self.fleet).slots_where(|r| matches!(r, Role::Relay { .. }));
+        {
+            let mut fleet = lock(self.fleet);
+            for &i in &relays {
+                fleet.stop(i, false);
+            }
+        }
+        if !wait_fleet(self.fleet, Duration::from_secs(30), |f| {
+            relays.iter().all(|&i| f.exited(i))
+        })
+        .await?
+        {
+            bail!("the relays did not stop within 30 s");
+        }
+        Ok(relays)
+    }
+
+    /// Starts the stopped `relays` again, with what they are started with changed first.
+    fn resume_relays(&self, relays: &[usize], change: impl FnOnce(&mut Launch)) -> Result<()> {
+        let mut fleet = lock(self.fleet);
+        change(fleet.launch_mut());
+        for &i in relays {
+            fleet.resume(i)?;
+        }
+        Ok(())
+    }
+
+    /// Restarts every relay with new settings. Stopped first, all of them: a relay still
+    /// running with the old settings would act on rows the new ones are meant to handle.
+    async fn restart_relays(&self, change: impl FnOnce(&mut Launch)) -> Result<()> {
+        let relays = self.stop_relays().await?;
+        self.resume_relays(&relays, change)?;
+        tracing::info!(relays = relays.len(), "relays restarted with new settings");
+        Ok(())
     }
 
     /// Whether every published row has an effect in every group and every malformed record

@@ -34,13 +34,15 @@
 //! ```text
 //! outbox-chaos run --profile ci            # ≈2–3 minutes (the test suite runs this)
 //! outbox-chaos run --profile cluster       # ≈3 minutes, three brokers (the test suite too)
-//! outbox-chaos run --profile long --seed 7 # ≈20 minutes (five runs)
-//! outbox-chaos run --profile liveness      # ≈4-5 minutes: the long faults (the test suite too)
+//! outbox-chaos run --profile long --seed 7 # ≈22 minutes (five runs, long faults in the first)
+//! outbox-chaos run --profile liveness      # ≈5 minutes: the long faults (the test suite too)
 //! ```
 //! The `liveness` profile follows a short fault loop with long faults ([`long_faults`]): the
 //! broker down for minutes, the run's own Postgres stopped, a key stuck behind a row the
-//! broker rejects for good, the topic deleted and re-created, each timed from its end until
-//! everything committed by then has flowed, against a bound.
+//! broker rejects for good (under `SkipQuarantined`, and under `BlockKey` until the harness
+//! discards the row as an operator would), the topic deleted and re-created, each timed from
+//! its end until everything committed by then has flowed, against a bound. The `long`
+//! profile's first run ends with the same phase, held longer.
 //! The broker's jars come from `scripts/services.sh` (`resolve_jars kafka`), found through
 //! `OUTBOX_KAFKA_CLASSPATH_FILE` (default `.services/kafka.classpath` in the repository).
 //! The child roles (`producer`, `relay`, `consumer`) are internal: the orchestrator spawns

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::checker::{self, Target};
 use crate::children::producer::key_name;
+use crate::children::relay::Policy;
 use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::faults::Chaos;
@@ -29,7 +30,8 @@ const GROUP_B: &str = "chaos-b";
 #[derive(Debug, clap::Args)]
 pub(crate) struct RunArgs {
     /// `ci` (≈2–3 min, the test suite's), `cluster` (the same on three brokers, partition
-    /// leaders killed), `long` (≈20 min, five runs) or `liveness` (≈4–5 min, long faults).
+    /// leaders killed), `long` (≈22 min, five runs, the first with the long faults) or
+    /// `liveness` (≈5 min, long faults).
     #[arg(long, value_enum, default_value = "ci")]
     profile: ProfileName,
     /// Seed of every random choice (fault kinds and timing, workload); random if absent.
@@ -130,7 +132,7 @@ async fn run_one(
     let topic_spec = TopicSpec {
         partitions: profile.partitions,
         replication: broker.size(),
-        configs: if long_faults.is_some_and(|l| l.stuck_key) {
+        configs: if long_faults.is_some_and(|l| l.stuck_key || l.blocked_key) {
             &stuck_key_configs
         } else {
             &[]
@@ -150,6 +152,7 @@ async fn run_one(
         keys: profile.keys,
         producer_pause_ms: profile.producer_pause_ms,
         relay_retry: profile.relay_retry,
+        relay_policy: Policy::default(),
     };
     let fleet = Arc::new(Mutex::new(Fleet::new(launch, seed)));
     let producer = start_fleet(&fleet, profile)?;

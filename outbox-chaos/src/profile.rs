@@ -9,13 +9,15 @@ use crate::fleet::RelayRetry;
 pub(crate) enum ProfileName {
     /// The test suite's profile: about 2–3 minutes on 2 cores.
     Ci,
-    /// By hand: about 20 minutes, five runs.
+    /// By hand: about 22 minutes, five runs; the first ends with the long faults, held
+    /// longer than the liveness profile holds them (the broker down for minutes).
     Long,
     /// The test suite's, on a 3-broker cluster: partition leaders killed under load.
     Cluster,
     /// The test suite's too: a short fault phase, then long faults one after another (the
     /// broker down for minutes, Postgres stopped, a key stuck behind a row the broker
-    /// rejects, the topic deleted and re-created), each timed until everything drained.
+    /// rejects under each quarantine policy, the topic deleted and re-created), each timed
+    /// until everything drained.
     Liveness,
 }
 
@@ -23,13 +25,21 @@ pub(crate) enum ProfileName {
 /// seconds from a fault's end until everything committed by then has flowed.
 #[derive(Debug, Clone)]
 pub(crate) struct LongFaults {
+    /// The relays' retry settings for the phase, which restarts them with these at its start
+    /// (`None`: they keep the profile's). A broker outage only shows that it charges rows
+    /// nothing when it lasts longer than `max_attempts` × `message.timeout.ms`.
+    pub(crate) relay_retry: Option<RelayRetry>,
     /// How long the broker stays down (`kill -9`, started again on the same storage).
     pub(crate) broker_outage: Duration,
     /// How long the run's own Postgres server stays stopped (`None`: no such fault, and the
     /// run uses the shared server).
     pub(crate) pg_outage: Option<Duration>,
-    /// A row the broker rejects for good, with a backlog of its key behind it.
+    /// A row the broker rejects for good, with a backlog of its key behind it, under the
+    /// relays' default `SkipQuarantined` policy.
     pub(crate) stuck_key: bool,
+    /// The same with the relays restarted under `BlockKey`: the backlog waits until the
+    /// harness, as the operator, discards the row.
+    pub(crate) blocked_key: bool,
     /// How long the topic stays deleted before it is created again (`None`: no such fault).
     pub(crate) topic_absence: Option<Duration>,
     /// The relays' retry settings while the topic is missing (see `long_faults.rs`).
@@ -73,9 +83,19 @@ pub(crate) struct Profile {
     pub(crate) drain_timeout: Duration,
     /// The relays' retry settings.
     pub(crate) relay_retry: RelayRetry,
-    /// The long-fault phase after the fault loop, in the first run only.
+    /// The long-fault phase after the fault loop, in the first run only (which then has a
+    /// Postgres server of its own when the phase stops Postgres; the other runs use the
+    /// shared one).
     pub(crate) long_faults: Option<LongFaults>,
 }
+
+/// Relays that quarantine a row after 5 attempts, each delivery timing out after 5 s: a
+/// broker outage of minutes lasts many times that budget, so charging it to rows would show.
+const LIVENESS_RELAY_RETRY: RelayRetry = RelayRetry {
+    max_attempts: 5,
+    backoff_ms: (50, 2000),
+    message_timeout_ms: Some(5000),
+};
 
 impl Profile {
     pub(crate) fn named(name: ProfileName) -> Self {
@@ -118,7 +138,30 @@ impl Profile {
                 poison_rounds: 4,
                 drain_timeout: Duration::from_secs(180),
                 relay_retry: RelayRetry::PATIENT,
-                long_faults: None,
+                long_faults: Some(LongFaults {
+                    // The fault loop's relays never quarantine (what the five runs have always
+                    // measured); the phase's may, after 5 attempts of 5 s deliveries: the
+                    // broker outage is then ten times their whole budget.
+                    relay_retry: Some(LIVENESS_RELAY_RETRY),
+                    // Minutes: at this profile's rate (about 150 events/s) some 37,000 events
+                    // pile up; in the first run (seed 7) the relays had published them 22 s
+                    // after the broker's return and both groups had applied them after 68 s.
+                    broker_outage: Duration::from_secs(240),
+                    pg_outage: Some(Duration::from_secs(45)),
+                    stuck_key: true,
+                    blocked_key: true,
+                    topic_absence: Some(Duration::from_secs(30)),
+                    // As in the liveness profile: 20 attempts, each a 5 s delivery timeout
+                    // and 0.5-5 s of backoff, outlast the 30 s absence several times over.
+                    topic_fault_retry: RelayRetry {
+                        max_attempts: 20,
+                        backoff_ms: (500, 5000),
+                        message_timeout_ms: Some(5000),
+                    },
+                    // The outage's backlog takes the consumers about a minute on 2 cores.
+                    bound: Duration::from_secs(120),
+                    drain_wait: Duration::from_secs(300),
+                }),
             },
             ProfileName::Cluster => Self {
                 name: "cluster",
@@ -144,15 +187,13 @@ impl Profile {
                 // Rows that fail while a broker answers are quarantined after 5 attempts,
                 // and each delivery times out after 5 s: the broker outage (130 s) is over
                 // five times max_attempts x message.timeout.ms.
-                relay_retry: RelayRetry {
-                    max_attempts: 5,
-                    backoff_ms: (50, 2000),
-                    message_timeout_ms: Some(5000),
-                },
+                relay_retry: LIVENESS_RELAY_RETRY,
                 long_faults: Some(LongFaults {
+                    relay_retry: None,
                     broker_outage: Duration::from_secs(130),
                     pg_outage: Some(Duration::from_secs(25)),
                     stuck_key: true,
+                    blocked_key: true,
                     topic_absence: Some(Duration::from_secs(12)),
                     // While the topic is missing, every row of it fails with the broker's
                     // answer and is charged an attempt: 20 attempts 0.5-5 s apart (at

@@ -36,12 +36,15 @@ pub(crate) enum Kind {
     PgStop,
     /// The long-fault phase: a row the broker rejects for good, its key's backlog behind it.
     StuckKey,
+    /// The same under the relays' `BlockKey` policy: the backlog waits until the harness,
+    /// as the operator, discards the row.
+    BlockedKey,
     /// The long-fault phase: the topic deleted and, a little later, created again.
     TopicRecreate,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 15] = [
+    pub(crate) const ALL: [Self; 16] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -56,14 +59,16 @@ impl Kind {
         Self::BrokerOutage,
         Self::PgStop,
         Self::StuckKey,
+        Self::BlockedKey,
         Self::TopicRecreate,
     ];
 
     /// The long faults, whose liveness figures the summary reports.
-    pub(crate) const LONG: [Self; 4] = [
+    pub(crate) const LONG: [Self; 5] = [
         Self::BrokerOutage,
         Self::PgStop,
         Self::StuckKey,
+        Self::BlockedKey,
         Self::TopicRecreate,
     ];
 
@@ -83,6 +88,7 @@ impl Kind {
             Self::BrokerOutage => "broker_outage",
             Self::PgStop => "pg_stop",
             Self::StuckKey => "stuck_key",
+            Self::BlockedKey => "blocked_key",
             Self::TopicRecreate => "topic_recreate",
         }
     }
@@ -91,7 +97,11 @@ impl Kind {
     pub(crate) fn is_kill(self) -> bool {
         !matches!(
             self,
-            Self::PgTerminate | Self::Rebalance | Self::StuckKey | Self::TopicRecreate
+            Self::PgTerminate
+                | Self::Rebalance
+                | Self::StuckKey
+                | Self::BlockedKey
+                | Self::TopicRecreate
         )
     }
 }
@@ -162,11 +172,14 @@ pub(crate) struct Summary {
     pub(crate) liveness_exceeded: u64,
     /// Planned failing rows not quarantined, or quarantined with another reason.
     pub(crate) expected_quarantine_failures: u64,
+    /// Rows published while an earlier row of their key was quarantined under `BlockKey`
+    /// (before the operator discarded it).
+    pub(crate) published_past_block: u64,
 }
 
 impl Summary {
     /// The invariants, by their names in the summary line: each must be zero.
-    fn violations(&self) -> [(&'static str, u64); 13] {
+    fn violations(&self) -> [(&'static str, u64); 14] {
         [
             ("lost", self.lost),
             ("double_effects", self.double_effects),
@@ -184,6 +197,7 @@ impl Summary {
                 "expected_quarantine_failures",
                 self.expected_quarantine_failures,
             ),
+            ("published_past_block", self.published_past_block),
         ]
     }
 
@@ -239,6 +253,7 @@ impl Summary {
                 &mut self.expected_quarantine_failures,
                 o.expected_quarantine_failures,
             ),
+            (&mut self.published_past_block, o.published_past_block),
         ] {
             *mine += theirs;
         }
@@ -315,7 +330,7 @@ mod tests {
         assert!(
             line.ends_with(
                 " unexpected_exits=0 drain_timeouts=0 liveness_exceeded=0 \
-                 expected_quarantine_failures=0"
+                 expected_quarantine_failures=0 published_past_block=0"
             ),
             "{line}"
         );
@@ -339,6 +354,7 @@ mod tests {
                 drain_timeouts: u64::from(name == "drain_timeouts"),
                 liveness_exceeded: u64::from(name == "liveness_exceeded"),
                 expected_quarantine_failures: u64::from(name == "expected_quarantine_failures"),
+                published_past_block: u64::from(name == "published_past_block"),
                 ..Summary::default()
             });
             assert!(!broken.passed(), "{name}");
@@ -377,7 +393,8 @@ mod tests {
         assert!(
             line.contains(
                 " liveness_worst_s=21.0 liveness_bound_s=60 liveness_broker_outage_s=4.2 \
-                 liveness_pg_stop_s=21.0 liveness_stuck_key_s=- liveness_topic_recreate_s=- "
+                 liveness_pg_stop_s=21.0 liveness_stuck_key_s=- liveness_blocked_key_s=- \
+                 liveness_topic_recreate_s=- "
             ),
             "{line}"
         );

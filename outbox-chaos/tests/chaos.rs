@@ -5,8 +5,10 @@
 //! (three brokers, replication factor 3, `min.insync.replicas` 2) every broker fault takes
 //! down the leader of a partition while the relays publish with `acks=all`. The liveness
 //! profile (a short fault phase, then the broker down for over two minutes, Postgres stopped,
-//! a key stuck behind a row the broker rejects, the topic deleted and re-created) must drain
-//! within its bound after every one of those faults, quarantining only the row made to fail.
+//! a key stuck behind a row the broker rejects under each quarantine policy, the topic deleted
+//! and re-created) must drain within its bound after every one of those faults, quarantining
+//! only the rows made to fail; under `BlockKey` the stuck key's backlog must wait for the
+//! operator's discard.
 //!
 //! The harness isolates itself from the rest of the suite (which shares the broker on port
 //! 9092 and the `outbox_test` database): it starts its own Kafka node on free ports and creates
@@ -133,7 +135,13 @@ fn cluster_profile_keeps_every_guarantee_when_partition_leaders_die() {
 fn liveness_profile_drains_within_the_bound_after_each_long_fault() {
     let fields = run_profile("liveness");
     assert_eq!(fields.get("profile").map(String::as_str), Some("liveness"));
-    for fault in ["broker_outage", "pg_stop", "stuck_key", "topic_recreate"] {
+    for fault in [
+        "broker_outage",
+        "pg_stop",
+        "stuck_key",
+        "blocked_key",
+        "topic_recreate",
+    ] {
         assert_eq!(
             number(&fields, fault),
             1,
@@ -150,11 +158,13 @@ fn liveness_profile_drains_within_the_bound_after_each_long_fault() {
     );
     assert_eq!(number(&fields, "liveness_exceeded"), 0);
     // A broker outage far longer than max_attempts x message.timeout.ms quarantines nothing;
-    // the one row made to fail for good is quarantined with its reason.
+    // the two rows made to fail for good (one per quarantine policy) are quarantined with
+    // their reason, and under BlockKey nothing of the key went out before the discard.
     assert_eq!(number(&fields, "outbox_quarantined"), 0, "{fields:?}");
     assert_eq!(
         fields.get("expected_quarantined").map(String::as_str),
-        Some("1/1"),
+        Some("2/2"),
         "{fields:?}"
     );
+    assert_eq!(number(&fields, "published_past_block"), 0, "{fields:?}");
 }

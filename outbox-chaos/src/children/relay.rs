@@ -5,11 +5,30 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use outbox_producer::{ProducerError, Relay, RelayConfig, producer_config};
+use outbox_producer::{ProducerError, QuarantinePolicy, Relay, RelayConfig, producer_config};
 
 use super::{Common, EXIT_RELAY_AFTER_ACK, crash};
 
 const POLL: Duration = Duration::from_millis(250);
+
+/// The relay's [`QuarantinePolicy`], as a command-line value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub(crate) enum Policy {
+    /// A quarantined row's later rows of its key are published.
+    #[default]
+    SkipQuarantined,
+    /// A quarantined row holds back its key's later rows until an operator acts.
+    BlockKey,
+}
+
+impl From<Policy> for QuarantinePolicy {
+    fn from(policy: Policy) -> Self {
+        match policy {
+            Policy::SkipQuarantined => Self::SkipQuarantined,
+            Policy::BlockKey => Self::BlockKey,
+        }
+    }
+}
 
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct Args {
@@ -35,6 +54,9 @@ pub(crate) struct Args {
     /// librdkafka `message.timeout.ms` (default: the framework's `producer_config`, 30 s).
     #[arg(long)]
     pub(crate) message_timeout_ms: Option<u32>,
+    /// What a quarantined row does to its key's later rows.
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) quarantine_policy: Policy,
 }
 
 pub(crate) async fn run(args: Args) -> Result<()> {
@@ -53,6 +75,7 @@ pub(crate) async fn run(args: Args) -> Result<()> {
             Duration::from_millis(args.backoff_min_ms),
             Duration::from_millis(args.backoff_max_ms),
         )
+        .quarantine_policy(args.quarantine_policy.into())
         .shutdown_timeout(Duration::from_secs(5));
     let relay = Relay::new(pool, &kafka, config)?;
     let shutdown = super::shutdown_token();

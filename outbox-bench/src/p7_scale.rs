@@ -935,7 +935,10 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     // the first half leaves to the second; 35k rows stay in memory.
     figures.push(Figure::cost(
         "P7",
-        format!("prune 7d, newer {}, per 10k, at {big_name}", count_rows(newer.rows)),
+        format!(
+            "prune 7d, newer {}, per 10k, at {big_name}",
+            count_rows(newer.rows)
+        ),
         "ms",
         single(per_10k(newer.ms, newer.rows)),
         format!("its older {}, run first", count_rows(older.rows)),

@@ -1,17 +1,22 @@
 //! Peak RSS of a relay and of a consumer, each in a process of its own under the P2 and P4
-//! loads, against the floor: a process that opens the same clients and does no work.
+//! loads, against the floor: a process that opens the same clients and does no work; and of a
+//! consumer at P4's steady 1,000 msg/s, batched (the default) against one transaction per
+//! message.
 
 use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use outbox_consumer::{ConsumerConfig, DedupConsumer, consumer_config, stream_consumer};
+use outbox_consumer::{ConsumerConfig, DedupConsumer, Handler, consumer_config, stream_consumer};
+use outbox_producer::producer_config;
 use outbox_tests::{TestDb, database_url, eventually, kafka_bootstrap, random_topic, unique};
 use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 
+use crate::p4_consumer::{LATENCY_RUN, RATE};
 use crate::sample::{Figure, Sample};
 use crate::{Settings, p2_relay, p4_consumer};
 
@@ -26,6 +31,10 @@ pub(crate) enum Role {
     Relay,
     /// Consume the topic with `dedup_consume` until every event has its effect.
     Consumer,
+    /// Produce to the (empty) topic at P4's steady rate and consume it, batched by default.
+    Steady,
+    /// The same, one transaction per message (`max_batch_size(1)`).
+    SteadyPerMessage,
 }
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
@@ -33,6 +42,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     p4_consumer::create_effects(&db.pool).await?;
     let exe = std::env::current_exe()?;
     let [mut idle, mut relay, mut consumer]: [Sample; 3] = Default::default();
+    let [mut steady, mut steady_single]: [Sample; 2] = Default::default();
     for round in 0..settings.rounds {
         let topic = random_topic(PARTITIONS).await?;
         p2_relay::fill(&db.pool, &topic, settings.events).await?;
@@ -40,9 +50,28 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         idle.push(child(Role::Idle).await?);
         relay.push(child(Role::Relay).await?);
         consumer.push(child(Role::Consumer).await?);
+        // Which of the steady runs goes first alternates; each has a topic of its own.
+        let (first, second) = if round % 2 == 0 {
+            (Role::Steady, Role::SteadyPerMessage)
+        } else {
+            (Role::SteadyPerMessage, Role::Steady)
+        };
+        for role in [first, second] {
+            let steady_topic = random_topic(PARTITIONS).await?;
+            let rss = child_rss_mib(&exe, settings, role, &db.schema, &steady_topic).await?;
+            match role {
+                Role::Steady => steady.push(rss),
+                _ => steady_single.push(rss),
+            }
+        }
         eprintln!(
-            "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB",
-            idle.values[round], relay.values[round], consumer.values[round]
+            "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB; at {RATE}/s: \
+             batched {:.1}, per message {:.1} MiB",
+            idle.values[round],
+            relay.values[round],
+            consumer.values[round],
+            steady.values[round],
+            steady_single.values[round]
         );
     }
     let per = format!("{} events", settings.events);
@@ -65,6 +94,15 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             idle,
             None,
         ),
+        Figure::at_most(
+            "MEM",
+            format!("consumer peak RSS at {RATE}/s, default"),
+            "MiB",
+            steady,
+            "max_batch_size(1) (per message)",
+            steady_single,
+            None,
+        ),
     ])
 }
 
@@ -76,7 +114,10 @@ async fn child_rss_mib(
     schema: &str,
     topic: &str,
 ) -> Result<f64> {
-    let role_name = format!("{role:?}").to_lowercase();
+    let role_name = clap::ValueEnum::to_possible_value(&role)
+        .context("a role without a name")?
+        .get_name()
+        .to_owned();
     let out = tokio::process::Command::new(exe)
         .args(["--role", &role_name, "--schema", schema, "--topic", topic])
         .args(["--events", &settings.events.to_string()])
@@ -133,6 +174,10 @@ pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
             );
         }
         Role::Consumer => consume_all(&pool, topic, settings.events).await?,
+        Role::Steady => consume_steady(&pool, topic, steady_config()).await?,
+        Role::SteadyPerMessage => {
+            consume_steady(&pool, topic, steady_config().max_batch_size(1)).await?;
+        }
     }
     println!(
         "peak_rss_kib={}",
@@ -141,24 +186,63 @@ pub(crate) async fn child(settings: &Settings, role: Role) -> Result<()> {
     Ok(())
 }
 
+/// `dedup_consume` running in this process on `topic` with `config`, in a fresh group.
+struct Running<H> {
+    consumer: DedupConsumer<serde_json::Value, H>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>,
+}
+
+impl<H: Handler<serde_json::Value>> Running<H> {
+    fn start(pool: &PgPool, topic: &str, config: ConsumerConfig, handler: H) -> Result<Self> {
+        let consumer = DedupConsumer::new(pool.clone(), config, handler)?;
+        let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("mem")))?;
+        stream.subscribe(&[topic])?;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn({
+            let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+            async move { consumer.run(stream, shutdown).await }
+        });
+        Ok(Self {
+            consumer,
+            shutdown,
+            task,
+        })
+    }
+
+    /// Waits until `events` messages were processed, then stops the consumer.
+    async fn finish(self, events: u64) -> Result<()> {
+        eventually("every event consumed", Duration::from_secs(300), || async {
+            Ok(self.consumer.stats().processed >= events)
+        })
+        .await?;
+        self.shutdown.cancel();
+        self.task.await??;
+        Ok(())
+    }
+}
+
 async fn consume_all(pool: &PgPool, topic: &str, events: usize) -> Result<()> {
-    let consumer = DedupConsumer::new(
-        pool.clone(),
+    Running::start(
+        pool,
+        topic,
         ConsumerConfig::new(unique("mem")),
         p4_consumer::effect,
-    )?;
-    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("mem")))?;
-    stream.subscribe(&[topic])?;
-    let shutdown = CancellationToken::new();
-    let running = tokio::spawn({
-        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
-        async move { consumer.run(stream, shutdown).await }
-    });
-    eventually("every event consumed", Duration::from_secs(300), || async {
-        Ok(consumer.stats().processed >= events as u64)
-    })
-    .await?;
-    shutdown.cancel();
-    running.await??;
-    Ok(())
+    )?
+    .finish(events as u64)
+    .await
+}
+
+fn steady_config() -> ConsumerConfig {
+    ConsumerConfig::new(unique("steady"))
+}
+
+/// Consumes `topic` with `config` while producing to it at P4's steady rate for its latency
+/// run's length, until every record produced has its effect. The producer stands in for the
+/// idle process's relay, which holds one too.
+async fn consume_steady(pool: &PgPool, topic: &str, config: ConsumerConfig) -> Result<()> {
+    let running = Running::start(pool, topic, config, p4_consumer::effect)?;
+    let producer: FutureProducer = producer_config(&kafka_bootstrap()).create()?;
+    let produced = p4_consumer::produce_steadily(&producer, topic, LATENCY_RUN, false).await?;
+    running.finish(produced).await
 }

@@ -32,10 +32,10 @@ use crate::{Settings, p2_relay};
 
 const PARTITIONS: i32 = 4;
 /// Messages per second in the latency runs.
-const RATE: u64 = 1_000;
+pub(crate) const RATE: u64 = 1_000;
 /// How long a latency run produces: its p99 is then the 100th slowest of 10,000 records, not
 /// the 30th of 3,000 (`--duration`'s default), which one stall of the machine decided.
-const LATENCY_RUN: Duration = Duration::from_secs(10);
+pub(crate) const LATENCY_RUN: Duration = Duration::from_secs(10);
 /// The fewest events a throughput run consumes.
 const MIN_EVENTS: usize = 150_000;
 /// The absolute throughput issue 15 asks for on 2 cores.
@@ -398,6 +398,30 @@ async fn delivered(deliveries: Vec<rdkafka::producer::DeliveryFuture>) -> Result
     Ok(())
 }
 
+/// Produces to `topic` at `RATE` per second for `length`, keys spread over 100, each payload
+/// stamped with its production time when `stamp` (else 0); returns how many records, all
+/// delivered.
+pub(crate) async fn produce_steadily(
+    producer: &FutureProducer,
+    topic: &str,
+    length: Duration,
+    stamp: bool,
+) -> Result<u64> {
+    let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let deadline = Instant::now() + length;
+    let mut deliveries = Vec::new();
+    let mut n = 0_u64;
+    while Instant::now() < deadline {
+        ticker.tick().await;
+        let us = if stamp { epoch_micros() } else { 0 };
+        deliveries.push(send(producer, topic, None, &format!("k{}", n % 100), us)?);
+        n += 1;
+    }
+    delivered(deliveries).await?;
+    Ok(n)
+}
+
 /// One latency run: `dedup_consume` with `config` on a fresh 4-partition topic, joined and
 /// warmed up (a message per partition handled) before records are produced at `RATE` per
 /// second for `settings.duration` (at least [`LATENCY_RUN`]). Returns each record's produced -> handled time in ms, and
@@ -429,23 +453,8 @@ async fn latencies(
     delivered(warmup).await?;
     wait_for_rows(pool, "latencies", PARTITIONS.into()).await?;
 
-    let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let deadline = Instant::now() + settings.duration.max(LATENCY_RUN);
-    let mut deliveries = Vec::new();
-    let mut n = 0_i64;
-    while Instant::now() < deadline {
-        ticker.tick().await;
-        deliveries.push(send(
-            producer,
-            &topic,
-            None,
-            &format!("k{}", n % 100),
-            epoch_micros(),
-        )?);
-        n += 1;
-    }
-    delivered(deliveries).await?;
+    let n = produce_steadily(producer, &topic, settings.duration.max(LATENCY_RUN), true).await?;
+    let n = i64::try_from(n)?;
     wait_for_rows(pool, "latencies", n + i64::from(PARTITIONS)).await?;
     shutdown.cancel();
     running.await??;

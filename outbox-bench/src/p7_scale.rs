@@ -24,7 +24,7 @@ use anyhow::{Result, ensure};
 use outbox_producer::{
     OutboxStats, Relay, RelayConfig, STATS_COUNT_CAP, TableNames, producer_config,
 };
-use outbox_tests::{TestDb, kafka_bootstrap};
+use outbox_tests::{TestDb, kafka_bootstrap, table_blocks_accessed};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 use tracing::instrument::WithSubscriber;
 
@@ -372,22 +372,6 @@ struct Half {
     ms: f64,
     /// Heap and index blocks of the outbox table read or found in shared buffers.
     blocks: i64,
-}
-
-/// Heap and index blocks of `schema`'s `outbox_events` read or found in shared buffers so
-/// far, once this connection's own counters are flushed.
-async fn blocks_touched(conn: &mut PgConnection, schema: &str) -> Result<i64> {
-    // Flushed when the connection goes idle after this statement; the next one reads them.
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(&mut *conn)
-        .await?;
-    Ok(sqlx::query_scalar(
-        "SELECT coalesce(heap_blks_read + heap_blks_hit, 0) + coalesce(idx_blks_read + idx_blks_hit, 0) \
-         FROM pg_statio_user_tables WHERE schemaname = $1 AND relname = 'outbox_events'",
-    )
-    .bind(schema)
-    .fetch_one(conn)
-    .await?)
 }
 
 /// Whether some session of this database holds the prune lock of the `outbox_events` table
@@ -853,7 +837,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let first = tokio::spawn(async move {
         let mut halves = [Half::default(); 2];
         for (half, older_than) in halves.iter_mut().zip([WEEK * 3 / 2, WEEK]) {
-            let blocks = blocks_touched(&mut big_conn, &big_schema).await?;
+            let blocks = table_blocks_accessed(&mut big_conn, &big_schema, "outbox_events").await?;
             let started = Instant::now();
             half.rows = outbox_producer::prune_published(
                 &mut big_conn,
@@ -863,7 +847,8 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             )
             .await?;
             half.ms = ms(started);
-            half.blocks = blocks_touched(&mut big_conn, &big_schema).await? - blocks;
+            half.blocks =
+                table_blocks_accessed(&mut big_conn, &big_schema, "outbox_events").await? - blocks;
         }
         anyhow::Ok(halves)
     });
@@ -949,7 +934,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         "P7",
         format!("prune 7d ({}), per 10k, at {big_name}", count_rows(pruned)),
         "ms",
-        single(week_big_ms * 10_000.0 / pruned as f64),
+        single(per_10k(week_big_ms, pruned)),
         format!("prune 7d ({}) at 100k", count_rows(pruned_medium)),
         single(per_10k(week_medium_ms, pruned_medium)),
         None,

@@ -175,19 +175,7 @@ impl LongFaultPhase<'_> {
         // confluentinc/confluent-kafka-javascript#274). Restarting them is the operator's
         // step of the procedure, as stopping the relays is.
         let consumers = lock(self.fleet).live(|r| matches!(r, Role::Consumer { .. }));
-        {
-            let mut fleet = lock(self.fleet);
-            for &i in &consumers {
-                fleet.stop(i, false);
-            }
-        }
-        if !wait_fleet(self.fleet, Duration::from_secs(30), |f| {
-            consumers.iter().all(|&i| f.exited(i))
-        })
-        .await?
-        {
-            bail!("the consumers did not stop within 30 s");
-        }
+        self.stop_and_wait(&consumers, "consumers").await?;
         let pool = &self.db.pool;
         let mut tx = pool.begin().await?;
         let epoch: i32 = sqlx::query_scalar(
@@ -237,20 +225,26 @@ impl LongFaultPhase<'_> {
     /// Stops every relay gracefully and waits until they have exited; returns their slots.
     async fn stop_relays(&self) -> Result<Vec<usize>> {
         let relays = lock(self.fleet).slots_where(|r| matches!(r, Role::Relay { .. }));
+        self.stop_and_wait(&relays, "relays").await?;
+        Ok(relays)
+    }
+
+    /// Stops the children in `slots` gracefully and waits up to 30 s until they have exited.
+    async fn stop_and_wait(&self, slots: &[usize], what: &str) -> Result<()> {
         {
             let mut fleet = lock(self.fleet);
-            for &i in &relays {
+            for &i in slots {
                 fleet.stop(i, false);
             }
         }
         if !wait_fleet(self.fleet, Duration::from_secs(30), |f| {
-            relays.iter().all(|&i| f.exited(i))
+            slots.iter().all(|&i| f.exited(i))
         })
         .await?
         {
-            bail!("the relays did not stop within 30 s");
+            bail!("the {what} did not stop within 30 s");
         }
-        Ok(relays)
+        Ok(())
     }
 
     /// Starts the stopped `relays` again, with what they are started with changed first.

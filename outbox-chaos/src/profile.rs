@@ -89,6 +89,15 @@ pub(crate) struct Profile {
     pub(crate) long_faults: Option<LongFaults>,
 }
 
+/// The relays' retries while a topic is deleted and created again: while it is missing every
+/// row of it fails with the broker's answer and is charged an attempt, so the budget must
+/// outlast the absence.
+const TOPIC_FAULT_RETRY: RelayRetry = RelayRetry {
+    max_attempts: 20,
+    backoff_ms: (500, 5000),
+    message_timeout_ms: Some(5000),
+};
+
 /// Relays that quarantine a row after 5 attempts, each delivery timing out after 5 s: a
 /// broker outage of minutes lasts many times that budget, so charging it to rows would show.
 const LIVENESS_RELAY_RETRY: RelayRetry = RelayRetry {
@@ -151,13 +160,9 @@ impl Profile {
                     stuck_key: true,
                     blocked_key: true,
                     topic_absence: Some(Duration::from_secs(30)),
-                    // As in the liveness profile: 20 attempts, each a 5 s delivery timeout
-                    // and 0.5-5 s of backoff, outlast the 30 s absence several times over.
-                    topic_fault_retry: RelayRetry {
-                        max_attempts: 20,
-                        backoff_ms: (500, 5000),
-                        message_timeout_ms: Some(5000),
-                    },
+                    // 20 attempts, each a 5 s delivery timeout and 0.5-5 s of backoff,
+                    // outlast the 30 s absence several times over.
+                    topic_fault_retry: TOPIC_FAULT_RETRY,
                     // The outage's backlog takes the consumers about a minute on 2 cores.
                     bound: Duration::from_secs(120),
                     drain_wait: Duration::from_secs(300),
@@ -195,14 +200,9 @@ impl Profile {
                     stuck_key: true,
                     blocked_key: true,
                     topic_absence: Some(Duration::from_secs(12)),
-                    // While the topic is missing, every row of it fails with the broker's
-                    // answer and is charged an attempt: 20 attempts 0.5-5 s apart (at
-                    // least about 40 s of backoff) outlast the 12 s absence.
-                    topic_fault_retry: RelayRetry {
-                        max_attempts: 20,
-                        backoff_ms: (500, 5000),
-                        message_timeout_ms: Some(5000),
-                    },
+                    // 20 attempts 0.5-5 s apart (at least about 40 s of backoff) outlast
+                    // the 12 s absence.
+                    topic_fault_retry: TOPIC_FAULT_RETRY,
                     bound: Duration::from_secs(60),
                     drain_wait: Duration::from_secs(150),
                 }),

@@ -7,9 +7,10 @@
 //! Ids the cache does not know are almost always new (a redelivery follows a crash or a
 //! rebalance), so the batch first inserts them plainly: `ON CONFLICT DO NOTHING` inserts each
 //! row speculatively and confirms it, which made the dedup insert about 1.4 times as costly
-//! (pgbench: 200 ids a transaction, 4 clients). An id already recorded fails that insert as a unique violation; the batch is then
-//! rolled back and tried again with `ON CONFLICT DO NOTHING RETURNING` (the ids returned are
-//! new), as are the consumer's batches after it until one finds no id recorded.
+//! (pgbench: 200 ids a transaction, 4 clients). An id already recorded fails that insert as a
+//! unique violation; the batch is then rolled back and tried again with `ON CONFLICT DO
+//! NOTHING RETURNING` (the ids returned are new), as are the consumer's batches after it until
+//! one finds no id recorded.
 //!
 //! A failing handler must take no other message's effect with it and let none commit twice.
 //! A savepoint per message would cost two more statements per message on every batch, failing

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgConnection};
 
 /// Runs `delete` until a run deletes fewer than `batch` rows. Each run is its own short
-/// statement, so pruning never holds many locks for long and can run beside relays and
+/// transaction, so pruning never holds many locks for long and can run beside relays and
 /// consumers. Returns the total.
 ///
 /// `delete` takes `$1` = age in milliseconds, `$2` = row limit and `$3` = the least prune key
@@ -19,9 +19,8 @@ use sqlx::{AssertSqlSafe, PgConnection};
 ///
 /// One instance at a time prunes `table` (the table the name resolves to on this connection,
 /// keyed by its oid, so outboxes in other schemas prune independently): the others find its
-/// session advisory lock taken
-/// and return 0 at once, instead of deleting the same rows side by side (which in peers'
-/// experience contended and deadlocked at volume).
+/// session advisory lock taken and return 0 at once, instead of deleting the same rows side
+/// by side (which in peers' experience contended and deadlocked at volume).
 ///
 /// Shared by the framework's prune functions; `delete` must be built only from validated
 /// [`crate::Ident`]s.
@@ -91,8 +90,8 @@ pub async fn delete_while_full(
     loop {
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         // Planned once, generically: a plan made for each batch looks up the actual least
-        // `seq` for its estimates, walking the primary key from its start through the entries
-        // of every row deleted so far (5,471 blocks of planning per batch after 2M rows
+        // value of an indexed column for its estimates (the outbox's `seq`), walking its index
+        // from the start through the entries of every row deleted so far (5,471 blocks of planning per batch after 2M rows
         // pruned; the newer half of P7's large prune read 1.6 x the blocks per row of the
         // older half).
         sqlx::query("SET LOCAL plan_cache_mode = force_generic_plan")

@@ -59,8 +59,7 @@ pub async fn stats(
 /// held for long and relays keep running (rows a relay has locked are skipped), one instance
 /// at a time (another finds it running and returns 0). Each batch reads only the rows it
 /// deletes, through the index on `published_at` of published rows, from where the previous
-/// batch stopped. Returns how many rows were
-/// removed.
+/// batch stopped. Returns how many rows were removed.
 pub async fn prune_published(
     conn: &mut PgConnection,
     tables: &TableNames,

@@ -285,27 +285,58 @@ where
     }
 }
 
-/// Blocks of `index` (in `schema`) read or found in shared buffers so far, as the statistics
-/// have them once this connection's own counters are flushed: run the statements to count on
-/// the same connection, between two calls.
-pub async fn index_blocks_accessed(
+/// Blocks of `index` (on `table`, in `schema`) that `run` read or found in shared buffers on
+/// `conn`. `table` is analyzed first, as autovacuum keeps it: with a histogram, a plan made
+/// for a key bound probes the index for the key's actual least value.
+pub async fn index_blocks_read_by<T>(
     conn: &mut sqlx::PgConnection,
     schema: &str,
+    table: &str,
     index: &str,
+    run: impl AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T>,
+) -> Result<(T, i64)> {
+    sqlx::query(sqlx::AssertSqlSafe(format!("ANALYZE {table}")))
+        .execute(&mut *conn)
+        .await?;
+    let query = "SELECT idx_blks_read + idx_blks_hit FROM pg_statio_user_indexes \
+                 WHERE schemaname = $1 AND indexrelname = $2";
+    let before = blocks_accessed(conn, query, schema, index).await?;
+    let value = run(&mut *conn).await?;
+    let after = blocks_accessed(conn, query, schema, index).await?;
+    Ok((value, after - before))
+}
+
+/// Heap and index blocks of `table` (in `schema`) read or found in shared buffers so far: run
+/// what to count on the same connection, between two calls.
+pub async fn table_blocks_accessed(
+    conn: &mut sqlx::PgConnection,
+    schema: &str,
+    table: &str,
+) -> Result<i64> {
+    let query = "SELECT coalesce(heap_blks_read + heap_blks_hit, 0) \
+                      + coalesce(idx_blks_read + idx_blks_hit, 0) \
+                 FROM pg_statio_user_tables WHERE schemaname = $1 AND relname = $2";
+    blocks_accessed(conn, query, schema, table).await
+}
+
+/// `query`'s count (bound to `schema` and `name`) as the statistics have it once this
+/// connection's own counters are flushed.
+async fn blocks_accessed(
+    conn: &mut sqlx::PgConnection,
+    query: &'static str,
+    schema: &str,
+    name: &str,
 ) -> Result<i64> {
     // The backend flushes its counters when it goes idle after this statement, so the next
     // one (a new transaction, a new statistics snapshot) reads them.
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(&mut *conn)
         .await?;
-    Ok(sqlx::query_scalar(
-        "SELECT idx_blks_read + idx_blks_hit FROM pg_statio_user_indexes \
-         WHERE schemaname = $1 AND indexrelname = $2",
-    )
-    .bind(schema)
-    .bind(index)
-    .fetch_one(conn)
-    .await?)
+    Ok(sqlx::query_scalar(query)
+        .bind(schema)
+        .bind(name)
+        .fetch_one(conn)
+        .await?)
 }
 
 /// Rows of the test's outbox with `status`.

@@ -12,7 +12,7 @@ use outbox_consumer::{
 };
 use outbox_core::{EventId, TableNames};
 use outbox_tests::{
-    TestDb, event_message, eventually, index_blocks_accessed, kafka_bootstrap, produce_raw,
+    TestDb, event_message, eventually, index_blocks_read_by, kafka_bootstrap, produce_raw,
     random_topic, unique,
 };
 use serde::Deserialize;
@@ -363,16 +363,14 @@ async fn a_prune_run_reads_the_timeless_slices_index_once_through() -> Result<()
     .bind(ROWS)
     .execute(&mut *conn)
     .await?;
-    // Statistics as autovacuum keeps them: with a histogram, a plan made for a batch's key
-    // bound would probe the index for the key's actual least value, through the entries of
-    // the rows deleted so far.
-    sqlx::query("ANALYZE outbox_consumer_dedup_timeless")
-        .execute(&mut *conn)
-        .await?;
-    let index = "outbox_consumer_dedup_timeless_processed_at_idx";
-    let before = index_blocks_accessed(&mut conn, &db.schema, index).await?;
-    let pruned = outbox_consumer::prune(&mut conn, &TableNames::default(), WEEK, BATCH).await?;
-    let read = index_blocks_accessed(&mut conn, &db.schema, index).await? - before;
+    let (pruned, read) = index_blocks_read_by(
+        &mut conn,
+        &db.schema,
+        "outbox_consumer_dedup_timeless",
+        "outbox_consumer_dedup_timeless_processed_at_idx",
+        async |conn| Ok(outbox_consumer::prune(conn, &TableNames::default(), WEEK, BATCH).await?),
+    )
+    .await?;
     assert_eq!(pruned.timeless_rows, ROWS as u64);
     // A batch descends the tree (two levels here) and reads the leaf or two holding its rows;
     // starting every batch at the beginning reads thousands more over this run.

@@ -241,7 +241,7 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
     let topic = outbox_tests::random_topic(1).await?;
     sqlx::query(
         "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
-         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\"}', 'invalid_id', 'not a uuid'), \
+         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\", \"outbox-requeue-for\": \"earlier\"}', 'invalid_id', 'not a uuid'), \
                 ('billing', $1, 0, 8, NULL, NULL, '{}', 'missing_payload', 'no payload')",
     )
     .bind(&topic)
@@ -267,6 +267,8 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
             &first,
             "--brokers",
             &brokers,
+            "--to-consumer",
+            "billing-v2",
         ],
     )?;
     assert!(ok, "{stderr}");
@@ -280,6 +282,15 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
     assert_eq!(
         records[0].headers.get("type").map(String::as_str),
         Some("T")
+    );
+    // For the renamed consumer alone, in place of the earlier requeue's header (read last,
+    // it would win).
+    assert_eq!(
+        records[0]
+            .headers
+            .get(outbox_core::wire::HEADER_REQUEUE_FOR)
+            .map(String::as_str),
+        Some("billing-v2")
     );
 
     let (ok, stdout, _) = outbox(
@@ -389,7 +400,13 @@ async fn relay_names_unreachable_brokers_instead_of_retrying_silently() -> Resul
     Ok(())
 }
 
-/// A consumer of `group` named `config`'s name, recording each event's effect as
+/// A consumer and its running task.
+type Running<H> = (
+    outbox_consumer::DedupConsumer<serde_json::Value, H>,
+    tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>,
+);
+
+/// A consumer named as `config` says, in a group of its own, recording each event's effect as
 /// (its name, event id), or rejecting it (quarantine) while `reject` is set.
 fn spawn_consumer(
     pool: &sqlx::PgPool,
@@ -397,10 +414,7 @@ fn spawn_consumer(
     topic: &str,
     reject: std::sync::Arc<std::sync::atomic::AtomicBool>,
     shutdown: &tokio_util::sync::CancellationToken,
-) -> Result<(
-    outbox_consumer::DedupConsumer<serde_json::Value, impl outbox_consumer::Handler<serde_json::Value>>,
-    tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>,
-)> {
+) -> Result<Running<impl outbox_consumer::Handler<serde_json::Value>>> {
     use outbox_consumer::{Event, HandlerError};
     use rdkafka::consumer::Consumer;
     let name = config.name.clone().context("a named consumer")?;
@@ -481,8 +495,8 @@ async fn consumer_requeue_reaches_only_the_consumer_that_quarantined_it() -> Res
         &shutdown,
     )?;
     // `b`'s cache forgets at once, so that only its dedup table could recognise the copy.
-    let b_config = outbox_consumer::ConsumerConfig::new("b")
-        .cache(1_000, std::time::Duration::from_millis(1));
+    let b_config =
+        outbox_consumer::ConsumerConfig::new("b").cache(1_000, std::time::Duration::from_millis(1));
     let (b, b_run) = spawn_consumer(
         &db.pool,
         b_config,
@@ -530,7 +544,11 @@ async fn consumer_requeue_reaches_only_the_consumer_that_quarantined_it() -> Res
     a_run.await??;
     b_run.await??;
 
-    assert_eq!(effects_of(&db.pool, "a", event).await?, 1, "a handles the copy");
+    assert_eq!(
+        effects_of(&db.pool, "a", event).await?,
+        1,
+        "a handles the copy"
+    );
     assert_eq!(
         effects_of(&db.pool, "b", event).await?,
         1,
@@ -541,5 +559,6 @@ async fn consumer_requeue_reaches_only_the_consumer_that_quarantined_it() -> Res
         .await?;
     assert_eq!(left, 0, "neither quarantined the copy");
     assert_eq!((a.stats().processed, b.stats().processed), (2, 2));
+    assert_eq!((a.stats().not_for_us, b.stats().not_for_us), (0, 1));
     Ok(())
 }

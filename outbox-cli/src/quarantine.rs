@@ -42,7 +42,8 @@ pub(crate) enum Action {
         #[arg(long, env = "KAFKA_BROKERS")]
         brokers: Option<String>,
         /// Consumer requeues: the consumer name to handle the messages, instead of the one
-        /// that quarantined them (which was renamed since).
+        /// that quarantined them, when it was renamed since (a copy for a name no consumer
+        /// has is skipped by all).
         #[arg(long)]
         to_consumer: Option<String>,
     },

@@ -34,10 +34,10 @@ pub const HEADER_TYPE: &str = "type";
 /// The consumer named handles it as any other record, deduplicated by its event id. Clients
 /// that do not read this header (consumers not built on `outbox-consumer`, sink connectors)
 /// receive the copy as a redelivery of an event they have seen; Kafka's at-least-once
-/// delivery already obliges them to tolerate one. A copy naming no consumer that still runs
-/// (it was renamed) is skipped by all: requeue for the new name instead
-/// (`outbox quarantine requeue consumer --to-consumer <name>`). Producers of events never set
-/// it.
+/// delivery already obliges them to tolerate one. A copy naming no consumer that runs is
+/// skipped by all, and its quarantine row is gone: when the consumer was renamed since it
+/// quarantined the message, requeue with `--to-consumer <its new name>`. Producers of events
+/// never set this header.
 pub const HEADER_REQUEUE_FOR: &str = "outbox-requeue-for";
 
 /// Prefix of the default topic, followed by the aggregate type.

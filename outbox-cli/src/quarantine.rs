@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use clap::{Subcommand, ValueEnum};
-use outbox_core::TableNames;
+use outbox_core::{TableNames, wire};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgConnection;
@@ -31,7 +31,9 @@ pub(crate) enum Action {
     /// Show entries in full (consumer payloads as text), as JSON.
     Show { side: Side, ids: Vec<i64> },
     /// Relay: make the rows pending again. Consumer: publish the messages again, as received,
-    /// to their topic and partition (they land after what came since), then delete them here.
+    /// to their topic and partition (they land after what came since), for the consumer that
+    /// quarantined them alone (header `outbox-requeue-for`: other dedup consumers skip them;
+    /// clients that are not dedup consumers see them as redeliveries), then delete them here.
     Requeue {
         side: Side,
         #[arg(required = true)]
@@ -39,6 +41,11 @@ pub(crate) enum Action {
         /// Kafka bootstrap servers, for consumer requeues.
         #[arg(long, env = "KAFKA_BROKERS")]
         brokers: Option<String>,
+        /// Consumer requeues: the consumer name to handle the messages, instead of the one
+        /// that quarantined them, when it was renamed since (a copy for a name no consumer
+        /// has is skipped by all).
+        #[arg(long)]
+        to_consumer: Option<String>,
     },
     /// Delete entries for good.
     Discard {
@@ -120,10 +127,15 @@ pub(crate) async fn run(
             side: Side::Consumer,
             ids,
             brokers,
+            to_consumer,
         } => {
             let brokers = brokers.context(
                 "consumer requeue publishes to Kafka: pass --brokers or set KAFKA_BROKERS",
             )?;
+            ensure!(
+                to_consumer.as_deref() != Some(""),
+                "--to-consumer takes a consumer name"
+            );
             let producer: FutureProducer = outbox_producer::producer_config(&brokers).create()?;
             let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
             ensure!(
@@ -133,15 +145,23 @@ pub(crate) async fn run(
                 ids.len()
             );
             for r in &rows {
-                let headers =
-                    r.record_headers()?
-                        .iter()
-                        .fold(OwnedHeaders::new(), |h, (key, value)| {
-                            h.insert(Header {
-                                key,
-                                value: value.as_deref(),
-                            })
-                        });
+                // For its consumer alone: every group reads the topic, and the others handled
+                // the original (their dedup rows for it are pruned in time).
+                let target = to_consumer.as_deref().unwrap_or(&r.consumer);
+                let for_target = OwnedHeaders::new().insert(Header {
+                    key: wire::HEADER_REQUEUE_FOR,
+                    value: Some(target),
+                });
+                let headers = r
+                    .record_headers()?
+                    .iter()
+                    .filter(|(key, _)| key != wire::HEADER_REQUEUE_FOR)
+                    .fold(for_target, |h, (key, value)| {
+                        h.insert(Header {
+                            key,
+                            value: value.as_deref(),
+                        })
+                    });
                 let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
                     .partition(r.partition)
                     .headers(headers);

@@ -241,7 +241,7 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
     let topic = outbox_tests::random_topic(1).await?;
     sqlx::query(
         "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
-         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\"}', 'invalid_id', 'not a uuid'), \
+         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\", \"outbox-requeue-for\": \"earlier\"}', 'invalid_id', 'not a uuid'), \
                 ('billing', $1, 0, 8, NULL, NULL, '{}', 'missing_payload', 'no payload')",
     )
     .bind(&topic)
@@ -267,6 +267,8 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
             &first,
             "--brokers",
             &brokers,
+            "--to-consumer",
+            "billing-v2",
         ],
     )?;
     assert!(ok, "{stderr}");
@@ -280,6 +282,15 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
     assert_eq!(
         records[0].headers.get("type").map(String::as_str),
         Some("T")
+    );
+    // For the renamed consumer alone, in place of the earlier requeue's header (read last,
+    // it would win).
+    assert_eq!(
+        records[0]
+            .headers
+            .get(outbox_core::wire::HEADER_REQUEUE_FOR)
+            .map(String::as_str),
+        Some("billing-v2")
     );
 
     let (ok, stdout, _) = outbox(
@@ -386,5 +397,168 @@ async fn relay_names_unreachable_brokers_instead_of_retrying_silently() -> Resul
         stderr.contains("cannot reach the Kafka brokers at 127.0.0.1:1"),
         "{stderr}"
     );
+    Ok(())
+}
+
+/// A consumer and its running task.
+type Running<H> = (
+    outbox_consumer::DedupConsumer<serde_json::Value, H>,
+    tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>,
+);
+
+/// A consumer named as `config` says, in a group of its own, recording each event's effect as
+/// (its name, event id), or rejecting it (quarantine) while `reject` is set.
+fn spawn_consumer(
+    pool: &sqlx::PgPool,
+    config: outbox_consumer::ConsumerConfig,
+    topic: &str,
+    reject: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<Running<impl outbox_consumer::Handler<serde_json::Value>>> {
+    use outbox_consumer::{Event, HandlerError};
+    use rdkafka::consumer::Consumer;
+    let name = config.name.clone().context("a named consumer")?;
+    let group = outbox_tests::unique(&name);
+    let consumer = outbox_consumer::DedupConsumer::new(
+        pool.clone(),
+        config,
+        outbox_consumer::boxed(move |event: &Event<serde_json::Value>, conn| {
+            let (name, reject) = (name.clone(), reject.clone());
+            Box::pin(async move {
+                if reject.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(HandlerError::quarantine("rejected by the test"));
+                }
+                sqlx::query("INSERT INTO effects (consumer, event_id) VALUES ($1, $2)")
+                    .bind(name)
+                    .bind(event.id)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        }),
+    )?;
+    let stream = outbox_consumer::stream_consumer(&outbox_consumer::consumer_config(
+        &outbox_tests::kafka_bootstrap(),
+        &group,
+    ))?;
+    stream.subscribe(&[topic])?;
+    let (run, shutdown) = (consumer.clone(), shutdown.clone());
+    Ok((
+        consumer,
+        tokio::spawn(async move { run.run(stream, shutdown).await }),
+    ))
+}
+
+/// Effects of event `id` by consumer `name`.
+async fn effects_of(pool: &sqlx::PgPool, name: &str, id: outbox_core::EventId) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE consumer = $1 AND event_id = $2")
+            .bind(name)
+            .bind(id)
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+/// Produces an event with id `id` to partition 0 of `topic`, as the relay would.
+async fn produce_event(topic: &str, id: outbox_core::EventId) -> Result<()> {
+    let id = id.to_string();
+    let headers: [(&str, &[u8]); 2] = [("id", id.as_bytes()), ("type", b"T")];
+    outbox_tests::produce_raw(topic, Some(0), Some("k"), Some(b"{}"), &headers).await?;
+    Ok(())
+}
+
+/// A message consumer `a` quarantined is requeued to the topic every group reads. Consumer `b`
+/// handled it the first time, and its dedup row for it is gone (its TTL passed and the slice
+/// was pruned, as happens to every row in time): the requeued copy must reach `a` alone, or
+/// `b` makes the event's effect twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_requeue_reaches_only_the_consumer_that_quarantined_it() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+    let db = TestDb::new().await?;
+    sqlx::query("CREATE TABLE effects (consumer TEXT, event_id UUID)")
+        .execute(&db.pool)
+        .await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let event = outbox_core::EventId::new();
+    produce_event(&topic, event).await?;
+
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let a_rejects = Arc::new(AtomicBool::new(true));
+    let (a, a_run) = spawn_consumer(
+        &db.pool,
+        outbox_consumer::ConsumerConfig::new("a"),
+        &topic,
+        a_rejects.clone(),
+        &shutdown,
+    )?;
+    // `b`'s cache forgets at once, so that only its dedup table could recognise the copy.
+    let b_config =
+        outbox_consumer::ConsumerConfig::new("b").cache(1_000, std::time::Duration::from_millis(1));
+    let (b, b_run) = spawn_consumer(
+        &db.pool,
+        b_config,
+        &topic,
+        Arc::new(AtomicBool::new(false)),
+        &shutdown,
+    )?;
+    outbox_tests::eventually("a quarantines the event and b handles it", WAIT, || async {
+        Ok(a.stats().quarantined == 1 && effects_of(&db.pool, "b", event).await? == 1)
+    })
+    .await?;
+    // What pruning b's slice of the event's day does once b's TTL has passed.
+    sqlx::query("DELETE FROM outbox_consumer_dedup WHERE consumer = 'b'")
+        .execute(&db.pool)
+        .await?;
+
+    a_rejects.store(false, Ordering::SeqCst);
+    let id: i64 =
+        sqlx::query_scalar("SELECT id FROM outbox_consumer_quarantine WHERE consumer = 'a'")
+            .fetch_one(&db.pool)
+            .await?;
+    let brokers = outbox_tests::kafka_bootstrap();
+    let (ok, stdout, stderr) = outbox(
+        &db,
+        &[
+            "quarantine",
+            "requeue",
+            "consumer",
+            &id.to_string(),
+            "--brokers",
+            &brokers,
+        ],
+    )?;
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.trim(), "requeued 1 messages");
+    // Behind the copy in the partition: once both have handled it, both have seen the copy.
+    let later = outbox_core::EventId::new();
+    produce_event(&topic, later).await?;
+    outbox_tests::eventually("both consumers handle the later event", WAIT, || async {
+        Ok(effects_of(&db.pool, "a", later).await? == 1
+            && effects_of(&db.pool, "b", later).await? == 1)
+    })
+    .await?;
+    shutdown.cancel();
+    a_run.await??;
+    b_run.await??;
+
+    assert_eq!(
+        effects_of(&db.pool, "a", event).await?,
+        1,
+        "a handles the copy"
+    );
+    assert_eq!(
+        effects_of(&db.pool, "b", event).await?,
+        1,
+        "b handled the event once, and must not handle the copy meant for a"
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(left, 0, "neither quarantined the copy");
+    assert_eq!((a.stats().processed, b.stats().processed), (2, 2));
+    assert_eq!((a.stats().not_for_us, b.stats().not_for_us), (0, 1));
     Ok(())
 }

@@ -44,6 +44,8 @@ use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, s
 enum Item<P> {
     Rejected(Rejected),
     Cached,
+    /// A requeued copy for another consumer (`requeue.rs`).
+    NotForUs,
     Event(Event<P>),
 }
 
@@ -177,6 +179,9 @@ where
 
     fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
         let inner = &*self.inner;
+        if crate::requeue::for_another(&inner.name, &inner.counters, message) {
+            return Item::NotForUs;
+        }
         match decode::decode(&inner.config, message) {
             Err(rejected) => Item::Rejected(rejected),
             Ok(event) if inner.cache.contains_key(event.id.as_uuid()) => {
@@ -199,6 +204,7 @@ where
     ) -> Result<Outcome, ConsumerError> {
         match item {
             Item::Cached => Ok(Outcome::DuplicateCached),
+            Item::NotForUs => Ok(Outcome::NotForUs),
             Item::Rejected(Rejected {
                 reason,
                 error,
@@ -232,7 +238,11 @@ where
             }
         }
         if ids.is_empty() && !items.iter().any(|i| matches!(i, Item::Rejected(_))) {
-            return Ok(vec![Outcome::DuplicateCached; items.len()]);
+            let skipped = |i: &Item<P>| match i {
+                Item::NotForUs => Outcome::NotForUs,
+                _ => Outcome::DuplicateCached,
+            };
+            return Ok(items.iter().map(skipped).collect());
         }
         let slices: Vec<i32> = ids.iter().map(dedup_slice).collect();
         inner
@@ -353,6 +363,7 @@ where
             }
             let outcome = match item {
                 Item::Cached => Outcome::DuplicateCached,
+                Item::NotForUs => Outcome::NotForUs,
                 Item::Rejected(rejected) => {
                     self.record_rejected(tx, message, rejected).await?;
                     Outcome::Quarantined(rejected.reason)
@@ -422,7 +433,7 @@ where
                         partition = message.partition(), offset = message.offset(),
                         reason = rejected.reason, error = %rejected.error, "quarantined message");
                 }
-                (Item::Cached, _) => {}
+                (Item::Cached | Item::NotForUs, _) => {}
             }
         }
     }

@@ -41,6 +41,10 @@ pub enum Outcome {
     /// Not handled: its partition was revoked from this member after it was fetched (the
     /// partition's new owner reads it again from the committed offset).
     Revoked,
+    /// Skipped: a copy an operator requeued for another consumer (its
+    /// [`wire::HEADER_REQUEUE_FOR`](outbox_core::wire::HEADER_REQUEUE_FOR) names another): no
+    /// handler, no dedup row; its offset is stored.
+    NotForUs,
 }
 
 /// Counters of a [`DedupConsumer`], cumulative since it was built.
@@ -63,6 +67,8 @@ pub struct ConsumerStats {
     /// Queued messages dropped because their partition was revoked from this member before
     /// they were handled (the partition's next owner reads them again).
     pub revoked_skipped: u64,
+    /// Requeued copies skipped because they were for another consumer ([`Outcome::NotForUs`]).
+    pub not_for_us: u64,
 }
 
 #[derive(Debug, Default)]
@@ -74,6 +80,7 @@ pub(crate) struct Counters {
     pub(crate) handler_errors: AtomicU64,
     pub(crate) transactions: AtomicU64,
     pub(crate) revoked_skipped: AtomicU64,
+    pub(crate) not_for_us: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -96,6 +103,10 @@ pub(crate) fn record_metric(consumer: &str, outcome: &Outcome) {
         }
         Outcome::Quarantined(reason) => {
             metrics::counter!("outbox_consumer_quarantined_total", "consumer" => consumer, "reason" => *reason).increment(1);
+        }
+        Outcome::NotForUs => {
+            metrics::counter!("outbox_consumer_not_for_us_total", "consumer" => consumer)
+                .increment(1);
         }
         Outcome::Abandoned | Outcome::Revoked => {}
     }
@@ -252,6 +263,7 @@ where
             handler_errors: get(&c.handler_errors),
             transactions: get(&c.transactions),
             revoked_skipped: get(&c.revoked_skipped),
+            not_for_us: get(&c.not_for_us),
         }
     }
 

@@ -78,6 +78,7 @@ mod permit;
 mod prune;
 mod pruner;
 pub mod quarantine;
+mod requeue;
 mod runner;
 mod slice;
 mod span;

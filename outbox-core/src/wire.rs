@@ -11,7 +11,8 @@
 //! | header `type` | event type | `table.fields.additional.placement=type:header:type` |
 //! | timestamp | `created_at` (milliseconds; the consumer's `Event::timestamp`) | |
 //!
-//! Application headers travel as further UTF-8 headers.
+//! Application headers travel as further UTF-8 headers. A copy of a quarantined message that
+//! an operator requeued for one consumer also carries [`HEADER_REQUEUE_FOR`].
 //!
 //! A record carries `id` and `type` at most once each: Kafka lets a header name repeat, and a
 //! repeated contract header is ambiguous (which one names the event?), so [`decode`] rejects
@@ -22,6 +23,22 @@
 pub const HEADER_ID: &str = "id";
 /// Header carrying the event type.
 pub const HEADER_TYPE: &str = "type";
+
+/// Header naming the consumer a requeued copy is for. `outbox quarantine requeue` publishes a
+/// message a consumer quarantined again, to the topic and partition it came from, where every
+/// consumer group reads it; the copy carries this header once, its value the name of that
+/// consumer (UTF-8, as `ConsumerConfig::name`), in place of any it carried before.
+///
+/// A dedup consumer skips a record carrying this header unless one of its values is its own
+/// name, byte for byte: no handler, no dedup row, its offset stored (`Outcome::NotForUs`).
+/// The consumer named handles it as any other record, deduplicated by its event id. Clients
+/// that do not read this header (consumers not built on `outbox-consumer`, sink connectors)
+/// receive the copy as a redelivery of an event they have seen; Kafka's at-least-once
+/// delivery already obliges them to tolerate one. A copy naming no consumer that runs is
+/// skipped by all, and its quarantine row is gone: when the consumer was renamed since it
+/// quarantined the message, requeue with `--to-consumer <its new name>`. Producers of events
+/// never set this header.
+pub const HEADER_REQUEUE_FOR: &str = "outbox-requeue-for";
 
 /// Prefix of the default topic, followed by the aggregate type.
 pub const DEFAULT_TOPIC_PREFIX: &str = "outbox.event.";

@@ -58,8 +58,15 @@ pub async fn get_quarantined(
     Ok(quarantine(tables).get(conn, seqs).await?)
 }
 
-/// Makes quarantined rows pending again, with a fresh attempt count; the relay publishes them
-/// in their original order. Returns how many rows were requeued.
+/// Makes quarantined rows pending again, with a fresh attempt count. Returns how many rows
+/// were requeued.
+///
+/// The relay publishes requeued rows of a key in `seq` order, and before any later row of the
+/// key still pending. Where a requeued row lands among what was already published depends on
+/// the [`QuarantinePolicy`](crate::QuarantinePolicy) it was quarantined under: with
+/// `BlockKey` its key's later rows waited behind it, so it takes its place in the key's order;
+/// with `SkipQuarantined` (the default) they were published meanwhile, and the requeued row
+/// lands after them: consumers see that event late, out of its key's order.
 pub async fn requeue(
     conn: &mut PgConnection,
     tables: &TableNames,

@@ -432,3 +432,80 @@ async fn new_ids_are_inserted_plainly_and_recorded_ones_send_the_batch_to_on_con
     assert_eq!(second.stats().duplicates_stored, 2, "{:?}", second.stats());
     Ok(())
 }
+
+/// A record on partition 0 of `t` at `offset` with `headers` and `payload`.
+fn record_with(offset: i64, headers: &[(&str, &[u8])], payload: &[u8]) -> OwnedMessage {
+    let headers = headers
+        .iter()
+        .fold(rdkafka::message::OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(rdkafka::message::Header {
+                key,
+                value: Some(*value),
+            })
+        });
+    OwnedMessage::new(
+        Some(payload.to_vec()),
+        Some(b"k".to_vec()),
+        "t".into(),
+        rdkafka::Timestamp::NotAvailable,
+        0,
+        offset,
+        Some(headers),
+    )
+}
+
+/// A copy `outbox quarantine requeue` made for another consumer is skipped whole: not handled,
+/// not recorded, not quarantined whatever it holds; the consumer it names (one of its values,
+/// byte for byte) handles it as any other record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_copy_is_handled_by_the_consumer_it_names_alone() -> Result<()> {
+    use outbox_core::wire::HEADER_REQUEUE_FOR as FOR;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let ids: Vec<String> = (0..5).map(|_| EventId::new().to_string()).collect();
+    let event = |n: usize, to: &[&'static [u8]]| {
+        let mut headers: Vec<(&str, &[u8])> = vec![("id", ids[n].as_bytes())];
+        headers.extend(to.iter().map(|to| (FOR, *to)));
+        record_with(n as i64, &headers, format!(r#"{{"n":{n}}}"#).as_bytes())
+    };
+    let messages = [
+        event(0, &[b"c2"]),
+        // Breaks the contract, but it is not this consumer's to quarantine.
+        record_with(1, &[(FOR, b"c2")], b"{not json"),
+        event(2, &[b"c2", b"c1"]),
+        event(3, &[b"C1"]),
+        event(4, &[]),
+    ];
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::NotForUs,
+            Outcome::NotForUs,
+            Outcome::Processed,
+            Outcome::NotForUs,
+            Outcome::Processed,
+        ]
+    );
+    // A batch of such copies alone begins no transaction.
+    let before = c.stats().transactions;
+    let outcomes = c
+        .process_batch(&[event(0, &[b"c1 "])], &CancellationToken::new())
+        .await?;
+    assert_eq!(outcomes, [Outcome::NotForUs]);
+    assert_eq!(c.stats().transactions, before);
+
+    assert_eq!(effects(&db.pool).await?, [2, 4]);
+    let (recorded, quarantined): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM outbox_consumer_dedup), \
+                (SELECT count(*) FROM outbox_consumer_quarantine)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!((recorded, quarantined), (2, 0));
+    assert_eq!(c.stats().not_for_us, 4);
+    Ok(())
+}

@@ -18,7 +18,11 @@
 //! as a batch again, the failing one alone under the failure policy (its failed run counted as
 //! its first attempt), the rest as a new batch. A batch whose COMMIT (or one of the consumer's
 //! own statements) the database rejects does not say which message is at fault, so each of its
-//! messages is replayed alone, and the one at fault fails alone.
+//! messages is replayed alone, and the one at fault fails alone. So is a batch a handler left
+//! unable to commit while returning `Ok` (it ignored a failed statement, or held the
+//! connection until the server ended the session): a later handler's statement then fails
+//! with 25P02 or 25P03, which blames no one, or the statement run before COMMIT does
+//! (`failure::TRANSACTION_OPEN`; without it, COMMIT would answer `ROLLBACK` silently).
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;

@@ -15,7 +15,6 @@ use sqlx::{PgConnection, PgPool};
 use crate::consumer::bump;
 use crate::failure::{
     AttemptError, TRANSACTION_OPEN, describe, handler_sql_error, is_connection_lost, is_outage,
-    is_unavailable,
 };
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
@@ -217,9 +216,7 @@ pub(crate) async fn check_open(pool: &PgPool, conn: &mut PgConnection) -> Result
         Ok(false) => Err(AttemptError::aborted_by_handler(
             "the handler ended the transaction itself",
         )),
-        Err(error) if is_unavailable(&error) && is_outage(pool, &error).await => {
-            Err(AttemptError::Unavailable(error))
-        }
+        Err(error) if is_outage(pool, &error).await => Err(AttemptError::Unavailable(error)),
         Err(error) => Err(AttemptError::aborted_by_handler(&describe(&error))),
     }
 }

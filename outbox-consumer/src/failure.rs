@@ -38,7 +38,7 @@ pub(crate) enum AttemptError {
     /// The attempt failed: counted, and the failure policy applies after `max_attempts`.
     Failed {
         /// The quarantine reason if it is the last attempt (`handler_failed`,
-        /// `commit_failed`, `transaction_failed`).
+        /// `handler_aborted_transaction`, `commit_failed`, `transaction_failed`).
         reason: &'static str,
         /// The error in words.
         error: String,

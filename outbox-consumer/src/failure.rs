@@ -214,6 +214,12 @@ mod tests {
             assert!(!unavailable_sqlstate(code), "{code}");
         }
         assert!(is_unavailable(&sqlx::Error::PoolTimedOut));
+        // A lost connection is an outage only if the database does not answer elsewhere; a
+        // pool that times out is one already.
+        let lost = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        assert!(is_unavailable(&lost) && is_connection_lost(&lost));
+        assert!(!is_connection_lost(&sqlx::Error::PoolTimedOut));
+        assert!(!is_inherited(&lost));
         assert!(!is_unavailable(&sqlx::Error::RowNotFound));
         let handler = AttemptError::from_handler(sqlx::Error::PoolClosed.into());
         assert!(matches!(handler, AttemptError::Unavailable(_)));

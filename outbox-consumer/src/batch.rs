@@ -18,7 +18,11 @@
 //! as a batch again, the failing one alone under the failure policy (its failed run counted as
 //! its first attempt), the rest as a new batch. A batch whose COMMIT (or one of the consumer's
 //! own statements) the database rejects does not say which message is at fault, so each of its
-//! messages is replayed alone, and the one at fault fails alone.
+//! messages is replayed alone, and the one at fault fails alone. So is a batch a handler left
+//! unable to commit while returning `Ok` (it ignored a failed statement, or held the
+//! connection until the server ended the session): a later handler's statement then fails
+//! with 25P02 or 25P03, which blames no one, or the statement run before COMMIT does
+//! (`failure::TRANSACTION_OPEN`; without it, COMMIT would answer `ROLLBACK` silently).
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -34,8 +38,10 @@ use uuid::Uuid;
 
 use crate::consumer::bump;
 use crate::decode::{self, Rejected};
-use crate::dedup_transaction::run_handler;
-use crate::failure::{AttemptError, is_unavailable};
+use crate::dedup_transaction::{check_open, run_handler};
+use crate::failure::{
+    AttemptError, handler_sql_error, is_connection_lost, is_inherited, is_outage, is_unavailable,
+};
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
@@ -116,6 +122,7 @@ where
                         &items[start],
                         shutdown,
                         turn,
+                        owned,
                         Some(failure),
                     )
                     .await?;
@@ -151,7 +158,7 @@ where
                 Err(BatchFailure::Rejected) => {
                     while start < end && owned() {
                         let outcome = self
-                            .alone(&messages[start], &items[start], shutdown, turn, None)
+                            .alone(&messages[start], &items[start], shutdown, turn, owned, None)
                             .await?;
                         let abandoned = outcome == Outcome::Abandoned;
                         outcomes.push(outcome);
@@ -193,15 +200,20 @@ where
         }
     }
 
-    /// One message on its own transaction, retried under the failure policy.
+    /// One message on its own transaction, retried under the failure policy while the
+    /// partition is `owned`.
     async fn alone(
         &self,
         message: &OwnedMessage,
         item: &Item<P>,
         shutdown: &CancellationToken,
         turn: &mut Turn<'_>,
+        owned: &(dyn Fn() -> bool + Send + Sync),
         failed: Option<Failure>,
     ) -> Result<Outcome, ConsumerError> {
+        if !owned() {
+            return Ok(Outcome::Revoked);
+        }
         match item {
             Item::Cached => Ok(Outcome::DuplicateCached),
             Item::NotForUs => Ok(Outcome::NotForUs),
@@ -211,7 +223,7 @@ where
                 event_id,
             }) => self.quarantine(message, *event_id, reason, error).await,
             Item::Event(event) => {
-                self.handle_until_done(message, event, shutdown, turn, failed)
+                self.handle_until_done(message, event, shutdown, turn, owned, failed)
                     .instrument(span::message_span(&self.inner.name, message))
                     .await
             }
@@ -264,13 +276,29 @@ where
                 return Err(failure);
             }
         };
-        let outcomes = match self.run_items(&mut tx, messages, items, &new, owned).await {
+        let mut outcomes = self.run_items(&mut tx, messages, items, &new, owned).await;
+        if let Ok(done) = &outcomes
+            && done.contains(&Outcome::Processed)
+        {
+            outcomes = match check_open(&inner.pool, &mut tx).await {
+                Ok(()) => outcomes,
+                Err(AttemptError::Unavailable(error)) => Err(BatchFailure::Unavailable(error)),
+                // Which handler left it so is unknown: each message is replayed alone, and
+                // that one's check fails there.
+                Err(AttemptError::Failed { error, .. }) => {
+                    tracing::warn!(consumer = %inner.name, %error,
+                        "a handler left the batch's transaction unable to commit; replaying its messages one at a time");
+                    Err(BatchFailure::Rejected)
+                }
+            };
+        }
+        let outcomes = match outcomes {
             Ok(outcomes) => outcomes,
             Err(failure) => {
                 // Dropping the transaction would roll it back too, but later: the connection
                 // goes back to the pool clean, or the outage is known now.
                 if let Err(error) = tx.rollback().await
-                    && is_unavailable(&error)
+                    && is_outage(&inner.pool, &error).await
                 {
                     return Err(BatchFailure::Unavailable(error));
                 }
@@ -371,17 +399,12 @@ where
                 Item::Event(event)
                     if new.contains(event.id.as_uuid()) && handled.insert(*event.id.as_uuid()) =>
                 {
-                    run_handler(&inner.handler, event, tx)
+                    let handled = run_handler(&inner.handler, event, tx)
                         .instrument(span::message_span(&inner.name, message))
-                        .await
-                        .map_err(|error| match AttemptError::from_handler(error) {
-                            AttemptError::Unavailable(error) => BatchFailure::Unavailable(error),
-                            AttemptError::Failed {
-                                reason,
-                                error,
-                                retry,
-                            } => BatchFailure::Handler(index, (reason, error, retry)),
-                        })?;
+                        .await;
+                    if let Err(error) = handled {
+                        return Err(self.handler_failed(index, error).await);
+                    }
                     Outcome::Processed
                 }
                 Item::Event(_) => Outcome::DuplicateStored,
@@ -389,6 +412,31 @@ where
             outcomes.push(outcome);
         }
         Ok(outcomes)
+    }
+
+    /// The handler of the message at `index` failed. An error saying the transaction was
+    /// unable to commit before its statement (aborted, or its session ended) may be an earlier
+    /// handler's doing, one that returned `Ok`: the batch is then replayed a message at a
+    /// time, so that the one at fault fails alone.
+    async fn handler_failed(&self, index: usize, error: crate::HandlerError) -> BatchFailure {
+        if let Some(sql) = handler_sql_error(&error) {
+            if is_inherited(sql) {
+                return BatchFailure::Rejected;
+            }
+            // Its connection was lost with the database still answering: the session may
+            // have been ended while an earlier handler held it.
+            if is_connection_lost(sql) && !is_outage(&self.inner.pool, sql).await {
+                return BatchFailure::Rejected;
+            }
+        }
+        match AttemptError::from_handler(error) {
+            AttemptError::Unavailable(error) => BatchFailure::Unavailable(error),
+            AttemptError::Failed {
+                reason,
+                error,
+                retry,
+            } => BatchFailure::Handler(index, (reason, error, retry)),
+        }
     }
 
     async fn record_rejected(

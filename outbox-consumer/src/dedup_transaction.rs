@@ -10,10 +10,12 @@ use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
 
 use crate::consumer::bump;
-use crate::failure::{AttemptError, is_unavailable};
+use crate::failure::{
+    AttemptError, TRANSACTION_OPEN, describe, handler_sql_error, is_connection_lost, is_outage,
+};
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
 use crate::{
@@ -28,12 +30,15 @@ where
     /// Attempts `event` until it commits, is found to be a duplicate, or the failure policy
     /// gives up on it (quarantine). `Err` only when the database cannot be reached.
     /// `failed` is an attempt that already failed (in a batch), counted as the first.
+    /// Once `owned` says the partition was revoked, it stops ([`Outcome::Revoked`]): the new
+    /// owner handles the message, and a quarantine row here could contradict what it did.
     pub(crate) async fn handle_until_done(
         &self,
         message: &OwnedMessage,
         event: &Event<P>,
         shutdown: &CancellationToken,
         turn: &mut Turn<'_>,
+        owned: &(dyn Fn() -> bool + Send + Sync),
         mut failed: Option<(&'static str, String, bool)>,
     ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
@@ -41,6 +46,9 @@ where
         let mut attempt = 0_u32;
         loop {
             attempt += 1;
+            if !owned() {
+                return Ok(Outcome::Revoked);
+            }
             let (reason, error, retry) = match failed.take() {
                 Some(failure) => failure,
                 None => match self.attempt(event).await {
@@ -54,6 +62,9 @@ where
                 },
             };
             self.count_failure(event, attempt, reason, &error);
+            if !owned() {
+                return Ok(Outcome::Revoked);
+            }
             if !retry {
                 return self
                     .quarantine(message, Some(*event.id.as_uuid()), reason, &error)
@@ -135,10 +146,13 @@ where
             tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (dedup table)");
             return Ok(Outcome::DuplicateStored);
         }
-        if let Err(error) = run_handler(&inner.handler, event, &mut tx).await {
-            let failure = AttemptError::from_handler(error);
+        let verdict = match run_handler(&inner.handler, event, &mut tx).await {
+            Err(error) => Err(handler_failure(&inner.pool, error).await),
+            Ok(()) => check_open(&inner.pool, &mut tx).await,
+        };
+        if let Err(failure) = verdict {
             if let Err(error) = tx.rollback().await
-                && is_unavailable(&error)
+                && is_outage(&inner.pool, &error).await
             {
                 return Err(AttemptError::Unavailable(error));
             }
@@ -158,16 +172,53 @@ where
 }
 
 /// Runs `handler` on `conn`. A panicking handler is a failing handler: it must not take the
-/// partition down.
+/// partition down, whether it panics in its future or while making it.
 pub(crate) async fn run_handler<P, H: Handler<P>>(
     handler: &H,
     event: &Event<P>,
     conn: &mut PgConnection,
 ) -> Result<(), HandlerError> {
-    AssertUnwindSafe(handler.handle(event, conn))
+    AssertUnwindSafe(async { handler.handle(event, conn).await })
         .catch_unwind()
         .await
         .unwrap_or_else(|panic| Err(HandlerError::retry(panic_message(&panic))))
+}
+
+/// What a handler's error counts as: [`AttemptError::from_handler`], except that the
+/// transaction's connection lost under the handler is its failure if the database answers on
+/// another connection (the server ended the session the handler held too long).
+pub(crate) async fn handler_failure(pool: &PgPool, error: HandlerError) -> AttemptError {
+    let lost = handler_sql_error(&error)
+        .filter(|e| is_connection_lost(e))
+        .map(describe);
+    match (AttemptError::from_handler(error), lost) {
+        (AttemptError::Unavailable(error), Some(lost)) if !is_outage(pool, &error).await => {
+            AttemptError::Failed {
+                reason: "handler_failed",
+                error: lost,
+                retry: true,
+            }
+        }
+        (failure, _) => failure,
+    }
+}
+
+/// Before COMMIT, after the handlers returned `Ok`: whether the transaction can still
+/// commit. Postgres answers COMMIT in an aborted transaction with `ROLLBACK` and no error,
+/// and sqlx does not read that answer, so a handler that ignored a failed statement would
+/// otherwise pass for committed. One statement per transaction, not per message.
+pub(crate) async fn check_open(pool: &PgPool, conn: &mut PgConnection) -> Result<(), AttemptError> {
+    match sqlx::query_scalar::<_, bool>(TRANSACTION_OPEN)
+        .fetch_one(conn)
+        .await
+    {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(AttemptError::aborted_by_handler(
+            "the handler ended the transaction itself",
+        )),
+        Err(error) if is_outage(pool, &error).await => Err(AttemptError::Unavailable(error)),
+        Err(error) => Err(AttemptError::aborted_by_handler(&describe(&error))),
+    }
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -4,6 +4,31 @@
 //! serialization failure, bad data) will most likely come back on every attempt, so it counts
 //! against the message like a handler error, and after `max_attempts` the failure policy
 //! decides. Retrying it forever instead would stall the partition behind one message.
+//!
+//! A handler can also end its transaction's chance to commit without saying so: it ignores a
+//! failed statement (the transaction is then aborted, and Postgres answers its COMMIT with
+//! `ROLLBACK` and no error, which sqlx does not read), or it holds the connection past the
+//! server's `idle_in_transaction_session_timeout` (the server ends the session). So a
+//! transaction is checked before its COMMIT ([`TRANSACTION_OPEN`]), and what the check finds is
+//! the handler's failure (`handler_aborted_transaction`). A connection lost under a handler is
+//! an outage only if the database does not answer on another one.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+/// The quarantine reason of a handler that returned `Ok` on a transaction that can no longer
+/// commit.
+pub(crate) const HANDLER_ABORTED: &str = "handler_aborted_transaction";
+
+/// Run before COMMIT: fails with SQLSTATE 25P02 in an aborted transaction (and with the
+/// server's error if it ended the session), and is false if the handler itself ended the
+/// transaction (a COMMIT or ROLLBACK of its own; the dedup insert assigned it an id).
+pub(crate) const TRANSACTION_OPEN: &str = "SELECT txid_current_if_assigned() IS NOT NULL";
+
+/// How long the database is given to answer on another connection before a lost connection
+/// is taken for an outage.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why one attempt at a message did not commit.
 #[derive(Debug)]
@@ -13,7 +38,7 @@ pub(crate) enum AttemptError {
     /// The attempt failed: counted, and the failure policy applies after `max_attempts`.
     Failed {
         /// The quarantine reason if it is the last attempt (`handler_failed`,
-        /// `commit_failed`, `transaction_failed`).
+        /// `handler_aborted_transaction`, `commit_failed`, `transaction_failed`).
         reason: &'static str,
         /// The error in words.
         error: String,
@@ -36,6 +61,19 @@ impl AttemptError {
         }
     }
 
+    /// What the check before COMMIT ([`TRANSACTION_OPEN`]) found after the handler returned
+    /// `Ok`: the transaction cannot commit, and that is the handler's failure.
+    pub(crate) fn aborted_by_handler(error: &str) -> Self {
+        Self::Failed {
+            reason: HANDLER_ABORTED,
+            error: format!(
+                "the handler returned Ok, but its transaction could not commit (a statement of \
+                 it failed and the error was not returned, or the connection was held too long): {error}"
+            ),
+            retry: true,
+        }
+    }
+
     /// An error the handler returned. A handler whose own query found the database gone
     /// (it returned the `sqlx::Error` as is) is not a failing handler; one that said
     /// [`HandlerError::Quarantine`](crate::HandlerError::Quarantine) is not retried.
@@ -48,6 +86,12 @@ impl AttemptError {
         };
         match error.downcast::<sqlx::Error>() {
             Ok(error) if is_unavailable(&error) => Self::Unavailable(*error),
+            // Its statement found the transaction aborted by an earlier one of its own.
+            Ok(error) if has_sqlstate(&error, &["25P02"]) => Self::Failed {
+                reason: HANDLER_ABORTED,
+                error: describe(&error),
+                retry,
+            },
             Ok(error) => Self::Failed {
                 reason,
                 error: describe(&error),
@@ -90,6 +134,50 @@ pub(crate) fn is_unavailable(error: &sqlx::Error) -> bool {
     }
 }
 
+fn has_sqlstate(error: &sqlx::Error, codes: &[&str]) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| codes.contains(&&*code)),
+        _ => false,
+    }
+}
+
+/// Whether `error` says the transaction was already unable to commit when the statement
+/// came (aborted: 25P02; its session ended while it was idle: 25P03), so that, in a batch,
+/// an earlier handler on the same transaction may be the one at fault.
+pub(crate) fn is_inherited(error: &sqlx::Error) -> bool {
+    has_sqlstate(error, &["25P02", "25P03"])
+}
+
+/// Whether `error` is the loss of the connection itself (not an answer of the server).
+pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
+}
+
+/// Whether the database answers on another connection of `pool`. A transaction's connection
+/// lost while a handler held it (the server ends a session idle in a transaction past
+/// `idle_in_transaction_session_timeout`) is that transaction's failure if it does; otherwise
+/// the database is unavailable.
+pub(crate) async fn database_answers(pool: &PgPool) -> bool {
+    let probe = sqlx::query("SELECT 1").execute(pool);
+    matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
+}
+
+/// Whether `error`, met on the connection of a transaction a handler ran on, means the
+/// database is unavailable: a connection lost is only if the database does not answer on
+/// another one either.
+pub(crate) async fn is_outage(pool: &PgPool, error: &sqlx::Error) -> bool {
+    is_unavailable(error) && !(is_connection_lost(error) && database_answers(pool).await)
+}
+
+/// The `sqlx::Error` a handler returned as is, if it did.
+pub(crate) fn handler_sql_error(error: &crate::HandlerError) -> Option<&sqlx::Error> {
+    match error {
+        crate::HandlerError::Retry(error) | crate::HandlerError::Quarantine(error) => {
+            error.downcast_ref()
+        }
+    }
+}
+
 /// SQLSTATEs of a server that is gone, going, or refusing everyone: connection exceptions
 /// (08), insufficient resources (53: too many connections, disk full), system errors (58),
 /// shutdowns and a server not yet accepting connections (57P01-57P03; 57014, a cancelled
@@ -99,7 +187,7 @@ fn unavailable_sqlstate(code: &str) -> bool {
         || matches!(code, "57P01" | "57P02" | "57P03" | "25006")
 }
 
-fn describe(error: &sqlx::Error) -> String {
+pub(crate) fn describe(error: &sqlx::Error) -> String {
     match error {
         sqlx::Error::Database(db) => match db.code() {
             Some(code) => format!("{} (SQLSTATE {code})", db.message()),
@@ -126,6 +214,12 @@ mod tests {
             assert!(!unavailable_sqlstate(code), "{code}");
         }
         assert!(is_unavailable(&sqlx::Error::PoolTimedOut));
+        // A lost connection is an outage only if the database does not answer elsewhere; a
+        // pool that times out is one already.
+        let lost = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        assert!(is_unavailable(&lost) && is_connection_lost(&lost));
+        assert!(!is_connection_lost(&sqlx::Error::PoolTimedOut));
+        assert!(!is_inherited(&lost));
         assert!(!is_unavailable(&sqlx::Error::RowNotFound));
         let handler = AttemptError::from_handler(sqlx::Error::PoolClosed.into());
         assert!(matches!(handler, AttemptError::Unavailable(_)));

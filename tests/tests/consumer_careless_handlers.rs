@@ -1,0 +1,564 @@
+//! Handlers written as a Rust user might write them: one that ignores a failed statement
+//! (`let _ = ...`, or a caught unique violation taken for "already done"), one that panics
+//! (in its future, or before making it), one that holds the connection past the server's
+//! `idle_in_transaction_session_timeout`, one whose statement runs past `statement_timeout`.
+//! Each costs its own message only: the other messages of its batch are handled exactly once,
+//! nothing is lost, and the careless one is retried and quarantined with its reason.
+//! Real Postgres; the run-loop tests also the real broker.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_consumer::{
+    ConsumerConfig, DedupConsumer, Event, Handler, HandlerError, Outcome, consumer_config,
+    stream_consumer,
+};
+use outbox_core::EventId;
+use outbox_tests::{
+    TestDb, event_message, eventually, kafka_bootstrap, produce_raw, random_topic, unique,
+};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::OwnedMessage;
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Deserialize;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Attempts per message: each careless message is tried this often, then quarantined.
+const ATTEMPTS: u32 = 2;
+
+#[derive(Debug, Deserialize)]
+struct Step {
+    n: i64,
+}
+
+/// What the handler does with one message, after writing its effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Care {
+    /// Nothing more: a careful handler.
+    Record,
+    /// A best-effort audit insert into a table that does not exist, its error ignored.
+    SwallowFailed,
+    /// An insert meeting a unique violation, caught and taken to mean "already done".
+    CatchUnique,
+    /// Panics inside its future.
+    PanicInFuture,
+    /// Panics while making its future (a `Handler` whose `handle` is a plain `fn`).
+    PanicBeforeFuture,
+    /// Holds the connection past `idle_in_transaction_session_timeout` (a slow call to
+    /// another service), then returns `Ok`.
+    HoldThenOk,
+    /// Holds it as long, then makes a best-effort audit insert and ignores its error (the
+    /// server has ended the session by then).
+    HoldThenSwallow,
+    /// A statement past `statement_timeout`, its error returned.
+    SlowStatement,
+    /// The same statement, its error ignored.
+    SwallowSlowStatement,
+}
+
+/// A handler doing what `plan` says for each payload `n` (`Record` for the rest).
+#[derive(Debug, Clone)]
+struct Careless {
+    plan: Arc<HashMap<i64, Care>>,
+    hold: Duration,
+}
+
+impl Careless {
+    fn new(plan: &[(i64, Care)]) -> Self {
+        Self {
+            plan: Arc::new(plan.iter().copied().collect()),
+            hold: Duration::ZERO,
+        }
+    }
+
+    fn holding(mut self, hold: Duration) -> Self {
+        self.hold = hold;
+        self
+    }
+}
+
+impl Handler<Step> for Careless {
+    fn handle(
+        &self,
+        event: &Event<Step>,
+        conn: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        let care = self
+            .plan
+            .get(&event.payload.n)
+            .copied()
+            .unwrap_or(Care::Record);
+        assert!(
+            care != Care::PanicBeforeFuture,
+            "careless handler panicked before its future"
+        );
+        let (n, hold) = (event.payload.n, self.hold);
+        async move {
+            sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+                .bind(n)
+                .execute(&mut *conn)
+                .await?;
+            let audit = "INSERT INTO no_such_audit_table (n) VALUES (1)";
+            match care {
+                Care::Record | Care::PanicBeforeFuture => {}
+                Care::SwallowFailed => {
+                    let _ = sqlx::query(audit).execute(&mut *conn).await;
+                }
+                Care::CatchUnique => {
+                    match sqlx::query("INSERT INTO done (k) VALUES ('same')")
+                        .execute(&mut *conn)
+                        .await
+                    {
+                        Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {}
+                        other => {
+                            other?;
+                        }
+                    }
+                }
+                Care::PanicInFuture => panic!("careless handler panicked in its future"),
+                Care::HoldThenOk => tokio::time::sleep(hold).await,
+                Care::HoldThenSwallow => {
+                    tokio::time::sleep(hold).await;
+                    let _ = sqlx::query(audit).execute(&mut *conn).await;
+                }
+                Care::SlowStatement => {
+                    sqlx::query("SELECT pg_sleep(2)")
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                Care::SwallowSlowStatement => {
+                    let _ = sqlx::query("SELECT pg_sleep(2)").execute(&mut *conn).await;
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn tables(pool: &PgPool) -> Result<()> {
+    // No unique constraint on effects: a double effect shows as a second row.
+    sqlx::query("CREATE TABLE effects (seq BIGSERIAL, n BIGINT)")
+        .execute(pool)
+        .await?;
+    sqlx::query("CREATE TABLE done (k TEXT PRIMARY KEY)")
+        .execute(pool)
+        .await?;
+    sqlx::query("INSERT INTO done (k) VALUES ('same')")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// The effects, in the order they were written.
+async fn effects(pool: &PgPool) -> Result<Vec<i64>> {
+    Ok(sqlx::query_scalar("SELECT n FROM effects ORDER BY seq")
+        .fetch_all(pool)
+        .await?)
+}
+
+/// (offset, reason, error) of each quarantine row, by offset.
+async fn quarantined(pool: &PgPool) -> Result<Vec<(i64, String, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT \"offset\", reason, error FROM outbox_consumer_quarantine ORDER BY \"offset\"",
+    )
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Dedup rows committed for `ids`.
+async fn dedup_rows(pool: &PgPool, ids: &[EventId]) -> Result<i64> {
+    let ids: Vec<uuid::Uuid> = ids.iter().map(|id| *id.as_uuid()).collect();
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_dedup WHERE event_id = ANY($1)")
+            .bind(ids)
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+fn batch(n: i64) -> (Vec<EventId>, Vec<OwnedMessage>) {
+    let ids: Vec<EventId> = (0..n).map(|_| EventId::new()).collect();
+    let messages = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| event_message("t", i as i64, *id, &format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    (ids, messages)
+}
+
+fn config() -> ConsumerConfig {
+    ConsumerConfig::new("c1")
+        .max_attempts(ATTEMPTS)
+        .backoff(Duration::from_millis(10), Duration::from_millis(50))
+}
+
+/// A pool on the test's schema whose sessions carry `settings` (server parameters).
+async fn pool_with(db: &TestDb, settings: &[(&str, &str)]) -> Result<PgPool> {
+    let options = PgConnectOptions::from_str(&outbox_tests::database_url())?
+        .options([("search_path", db.schema.as_str())])
+        .options(settings.iter().copied());
+    Ok(PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await?)
+}
+
+/// Runs `messages` (payloads `0..n`) as one batch through `handler` and checks what the
+/// module promises: the messages `careless` names are quarantined with their reason after
+/// `ATTEMPTS` failed attempts each, every other one is processed once and has its effect
+/// once, and only processed messages have dedup rows.
+async fn run_batch(
+    db: &TestDb,
+    pool: PgPool,
+    n: i64,
+    handler: Careless,
+    careless: &[(i64, &'static str)],
+) -> Result<DedupConsumer<Step, Careless>> {
+    let c = DedupConsumer::new(pool, config(), handler)?;
+    let (ids, messages) = batch(n);
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    let reason = |i: i64| careless.iter().find(|(n, _)| *n == i).map(|(_, r)| *r);
+    let expected: Vec<Outcome> = (0..n)
+        .map(|i| reason(i).map_or(Outcome::Processed, Outcome::Quarantined))
+        .collect();
+    assert_eq!(outcomes, expected);
+    let kept: Vec<i64> = (0..n).filter(|i| reason(*i).is_none()).collect();
+    assert_eq!(effects(&db.pool).await?, kept, "each other effect once");
+    let rows = quarantined(&db.pool).await?;
+    assert_eq!(
+        rows.iter()
+            .map(|(o, r, _)| (*o, r.as_str()))
+            .collect::<Vec<_>>(),
+        careless.to_vec()
+    );
+    let stats = c.stats();
+    assert_eq!(stats.processed, kept.len() as u64, "{stats:?}");
+    assert_eq!(
+        stats.handler_errors,
+        careless.len() as u64 * u64::from(ATTEMPTS),
+        "only the careless messages were blamed: {stats:?}"
+    );
+    assert_eq!(
+        dedup_rows(&db.pool, &ids).await?,
+        kept.len() as i64,
+        "a dedup row for each processed message, none for the others"
+    );
+    Ok(c)
+}
+
+/// Fails before the fix: the swallowed error left the transaction aborted, the next
+/// handler's statement failed with 25P02 and it was blamed, and the replayed batch's COMMIT
+/// was a silent ROLLBACK: every outcome `Processed`, effects 0, 1 and 3 lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_ignores_a_failed_statement_fails_alone() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let handler = Careless::new(&[(1, Care::SwallowFailed), (3, Care::CatchUnique)]);
+    run_batch(
+        &db,
+        db.pool.clone(),
+        6,
+        handler,
+        &[
+            (1, "handler_aborted_transaction"),
+            (3, "handler_aborted_transaction"),
+        ],
+    )
+    .await?;
+    let rows = quarantined(&db.pool).await?;
+    assert!(
+        rows.iter()
+            .all(|(_, _, e)| e.contains("returned Ok") && e.contains("25P02")),
+        "the quarantine says what the handler did: {rows:?}"
+    );
+    Ok(())
+}
+
+/// Fails before the fix: the panic raised while making the future escaped `catch_unwind`
+/// and took the test (a partition's worker, in `run`) down with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_fails_alone() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let handler = Careless::new(&[(1, Care::PanicInFuture), (3, Care::PanicBeforeFuture)]);
+    run_batch(
+        &db,
+        db.pool.clone(),
+        5,
+        handler,
+        &[(1, "handler_failed"), (3, "handler_failed")],
+    )
+    .await?;
+    let rows = quarantined(&db.pool).await?;
+    assert!(
+        rows.iter().all(|(_, _, e)| e.contains("handler panicked")),
+        "{rows:?}"
+    );
+    Ok(())
+}
+
+/// The server ends a session idle in its transaction past the timeout (SQLSTATE 25P03 to the
+/// next statement, then a closed connection): the handler that held it fails, not the
+/// next one, and a closed connection with the database answering is no outage.
+/// Fails before the fix: the next handler met the closed connection, taken for an outage,
+/// and `process_batch` returned `Err` (`run` retried the batch forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_holding_the_connection_past_the_idle_timeout_fails_alone() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let pool = pool_with(&db, &[("idle_in_transaction_session_timeout", "300ms")]).await?;
+    let handler = Careless::new(&[(1, Care::HoldThenSwallow), (3, Care::HoldThenOk)])
+        .holding(Duration::from_millis(700));
+    run_batch(
+        &db,
+        pool,
+        5,
+        handler,
+        &[
+            (1, "handler_aborted_transaction"),
+            (3, "handler_aborted_transaction"),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// A statement cancelled by `statement_timeout` (57014) is its handler's failure when it
+/// returns it, and aborts the transaction when it does not.
+/// Fails before the fix: the handler after the one that ignored the timeout was blamed, and
+/// the replayed batch's COMMIT was a silent ROLLBACK (effect 2 lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_past_the_statement_timeout_fails_its_own_handler() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let pool = pool_with(&db, &[("statement_timeout", "200ms")]).await?;
+    let handler = Careless::new(&[(1, Care::SlowStatement), (3, Care::SwallowSlowStatement)]);
+    run_batch(
+        &db,
+        pool,
+        5,
+        handler,
+        &[(1, "handler_failed"), (3, "handler_aborted_transaction")],
+    )
+    .await?;
+    let rows = quarantined(&db.pool).await?;
+    assert!(
+        rows.iter()
+            .all(|(_, _, e)| e.contains("57014") || e.contains("25P02")),
+        "{rows:?}"
+    );
+    Ok(())
+}
+
+/// The committed offset of partition 0 of `topic` for `group`.
+fn committed_offset(group: &str, topic: &str) -> Result<Offset> {
+    let consumer: BaseConsumer = consumer_config(&kafka_bootstrap(), group).create()?;
+    let mut partitions = TopicPartitionList::new();
+    partitions.add_partition(topic, 0);
+    let committed = consumer.committed_offsets(partitions, Duration::from_secs(10))?;
+    Ok(committed
+        .find_partition(topic, 0)
+        .map_or(Offset::Invalid, |p| p.offset()))
+}
+
+/// Through the Kafka loop, with offsets stored: every offset committed is covered, each
+/// message either has its effect or a quarantine row.
+/// Fails before the fix: the batch's COMMIT was a silent ROLLBACK, yet its offsets were
+/// stored and committed (effects lost, nothing quarantined).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_loop_stores_no_offset_past_a_rolled_back_batch() -> Result<()> {
+    const N: i64 = 6;
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    for n in 0..N {
+        let id = EventId::new().to_string();
+        let payload = format!(r#"{{"n":{n}}}"#);
+        produce_raw(
+            &topic,
+            Some(0),
+            Some("k"),
+            Some(payload.as_bytes()),
+            &[("id", id.as_bytes())],
+        )
+        .await?;
+    }
+    let group = unique("g");
+    let handler = Careless::new(&[(2, Care::SwallowFailed)]);
+    let c = DedupConsumer::new(db.pool.clone(), config(), handler)?;
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &group))?;
+    stream.subscribe(&[topic.as_str()])?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (c, shutdown) = (c.clone(), shutdown.clone());
+        async move { c.run(stream, shutdown).await }
+    });
+    eventually("every message is handled or quarantined", WAIT, || async {
+        let s = c.stats();
+        Ok(s.processed + s.quarantined >= N as u64)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(effects(&db.pool).await?, [0, 1, 3, 4, 5]);
+    let rows = quarantined(&db.pool).await?;
+    assert_eq!(
+        rows.iter()
+            .map(|(o, r, _)| (*o, r.as_str()))
+            .collect::<Vec<_>>(),
+        [(2, "handler_aborted_transaction")]
+    );
+    assert_eq!(committed_offset(&group, &topic)?, Offset::Offset(N));
+    Ok(())
+}
+
+/// Member one's handler: each event's first attempt fails (a retry follows, alone), its
+/// second waits for `gate` and then says "quarantine", later ones record the effect.
+#[derive(Debug, Clone)]
+struct FailsThenWaits {
+    calls: Arc<Mutex<HashMap<EventId, u32>>>,
+    gate: CancellationToken,
+}
+
+impl Handler<Step> for FailsThenWaits {
+    async fn handle(
+        &self,
+        event: &Event<Step>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let call = {
+            let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+            let call = calls.entry(event.id).or_default();
+            *call += 1;
+            *call
+        };
+        match call {
+            1 => Err(HandlerError::retry("first attempt fails")),
+            2 => {
+                self.gate.cancelled().await;
+                Err(HandlerError::quarantine("the old owner gives up"))
+            }
+            _ => {
+                sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+                    .bind(event.payload.n)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Backends of the pool named `name` matching `state`, a `pg_stat_activity` condition.
+async fn backends(db: &TestDb, name: &str, state: &'static str) -> Result<i64> {
+    let sql =
+        format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND {state}");
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .bind(name)
+        .fetch_one(&db.pool)
+        .await?)
+}
+
+fn spawn_member<H: Handler<Step>>(
+    c: DedupConsumer<Step, H>,
+    group: &str,
+    topic: &str,
+    shutdown: &CancellationToken,
+) -> Result<tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>> {
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), group))?;
+    stream.subscribe(&[topic])?;
+    let shutdown = shutdown.clone();
+    Ok(tokio::spawn(async move { c.run(stream, shutdown).await }))
+}
+
+/// A message retried alone stops when its partition is revoked: it is not quarantined by a
+/// member that no longer owns it while the new owner handles it.
+/// Fails before the fix: the old owner's lone retry went on after the revocation and
+/// quarantined the event the new owner handled (an effect and a quarantine row for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_partitions_lone_retry_stops() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let topic = random_topic(2).await?;
+    for partition in 0..2 {
+        let id = EventId::new().to_string();
+        let payload = format!(r#"{{"n":{partition}}}"#);
+        produce_raw(
+            &topic,
+            Some(partition),
+            Some("x"),
+            Some(payload.as_bytes()),
+            &[("id", id.as_bytes())],
+        )
+        .await?;
+    }
+    let group = unique("g");
+    let config = ConsumerConfig::new("c1")
+        .max_attempts(5)
+        .backoff(Duration::from_millis(10), Duration::from_millis(50));
+    let shutdown = CancellationToken::new();
+    // Member one takes both partitions; each event's lone retry waits inside its handler.
+    let first_name = unique("first");
+    let gate = CancellationToken::new();
+    let first = DedupConsumer::new(
+        db.pool_named(&first_name).await?,
+        config.clone(),
+        FailsThenWaits {
+            calls: Arc::default(),
+            gate: gate.clone(),
+        },
+    )?;
+    let run_first = spawn_member(first.clone(), &group, &topic, &shutdown)?;
+    eventually("member one retries both events alone", WAIT, || async {
+        Ok(backends(&db, &first_name, "state = 'idle in transaction'").await? == 2)
+    })
+    .await?;
+
+    // Member two joins and takes a partition: its dedup insert waits on member one's.
+    let second_name = unique("second");
+    let second = DedupConsumer::new(
+        db.pool_named(&second_name).await?,
+        config,
+        Careless::new(&[]),
+    )?;
+    let run_second = spawn_member(second.clone(), &group, &topic, &shutdown)?;
+    eventually("member two owns a partition", WAIT, || async {
+        Ok(backends(&db, &second_name, "wait_event_type = 'Lock'").await? > 0)
+    })
+    .await?;
+    gate.cancel();
+    eventually("member two handled its event", WAIT, || async {
+        Ok(second.stats().processed >= 1)
+    })
+    .await?;
+    eventually("each event is handled or quarantined", WAIT, || async {
+        let effects = effects(&db.pool).await?.len();
+        Ok(effects + quarantined(&db.pool).await?.len() >= 2)
+    })
+    .await?;
+    shutdown.cancel();
+    run_first.await??;
+    run_second.await??;
+
+    // Each event once: an effect (its partition's owner handled it) or a quarantine row (its
+    // owner gave up on it), never both.
+    let mut seen = effects(&db.pool).await?;
+    let rows: Vec<(i64, String)> =
+        sqlx::query_as("SELECT partition::bigint, reason FROM outbox_consumer_quarantine")
+            .fetch_all(&db.pool)
+            .await?;
+    seen.extend(rows.iter().map(|(p, _)| *p));
+    seen.sort_unstable();
+    assert_eq!(seen, [0, 1], "effects and quarantine rows: {rows:?}");
+    Ok(())
+}

@@ -73,6 +73,8 @@ mod error;
 mod event;
 mod failure;
 mod handler;
+mod header_list;
+mod headers;
 mod partition_stream;
 mod permit;
 mod prune;
@@ -89,6 +91,7 @@ pub use consume::{DedupConsume, dedup_consume};
 pub use consumer::{ConsumerStats, DedupConsumer, Outcome};
 pub use error::ConsumerError;
 pub use event::{Event, RawHeader};
+pub use headers::ReceivedHeader;
 pub use handler::{BoxError, Boxed, Handler, HandlerError, HandlerFn, HandlerFuture, boxed};
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;

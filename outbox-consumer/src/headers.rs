@@ -54,6 +54,7 @@ pub(crate) enum Read<'m> {
 }
 
 impl Read<'_> {
+    #[cfg(test)]
     pub(crate) fn received(self) -> ReceivedHeader {
         let value = |v: Option<&[u8]>| v.map(<[u8]>::to_vec);
         match self {
@@ -61,7 +62,11 @@ impl Read<'_> {
                 name: name.to_owned(),
                 value: value(v),
             },
-            Self::CutAtNul { prefix, len, value: v } => ReceivedHeader::CutAtNul {
+            Self::CutAtNul {
+                prefix,
+                len,
+                value: v,
+            } => ReceivedHeader::CutAtNul {
                 prefix: prefix.to_owned(),
                 len,
                 value: value(v),
@@ -143,9 +148,11 @@ mod tests {
     use super::*;
 
     fn message(headers: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
-        let headers = headers.iter().fold(OwnedHeaders::new(), |hs, (key, value)| {
-            hs.insert(Header { key, value: *value })
-        });
+        let headers = headers
+            .iter()
+            .fold(OwnedHeaders::new(), |hs, (key, value)| {
+                hs.insert(Header { key, value: *value })
+            });
         OwnedMessage::new(
             None,
             None,

@@ -91,8 +91,8 @@ pub use consume::{DedupConsume, dedup_consume};
 pub use consumer::{ConsumerStats, DedupConsumer, Outcome};
 pub use error::ConsumerError;
 pub use event::{Event, RawHeader};
-pub use headers::ReceivedHeader;
 pub use handler::{BoxError, Boxed, Handler, HandlerError, HandlerFn, HandlerFuture, boxed};
+pub use headers::ReceivedHeader;
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;

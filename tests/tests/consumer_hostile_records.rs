@@ -6,9 +6,10 @@
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
+use outbox_consumer::quarantine::{QuarantinedMessage, list_quarantined};
 use outbox_consumer::{
     ConsumerConfig, ConsumerError, DedupConsumer, DedupContext, Event, HandlerError, Outcome,
-    consumer_config, stream_consumer,
+    ReceivedHeader, TableNames, consumer_config, stream_consumer,
 };
 use outbox_core::EventId;
 use outbox_tests::{ByteHeader, TestDb, kafka_bootstrap, produce_bytes, random_topic, unique};
@@ -49,14 +50,17 @@ fn stream(topic: &str) -> Result<StreamConsumer<DedupContext>> {
     Ok(consumer)
 }
 
-/// One quarantine row's columns a test compares.
-#[derive(Debug, sqlx::FromRow)]
-struct Row {
-    reason: String,
-    error: String,
-    event_id: Option<uuid::Uuid>,
-    message_key: Option<Vec<u8>>,
-    payload: Option<Vec<u8>>,
+/// The headers a quarantine row holds, as `outbox quarantine` reads them.
+fn whole(headers: &[ByteHeader<'_>]) -> Result<Vec<ReceivedHeader>> {
+    headers
+        .iter()
+        .map(|(name, value)| {
+            Ok(ReceivedHeader::Whole {
+                name: String::from_utf8(name.to_vec())?,
+                value: value.map(<[u8]>::to_vec),
+            })
+        })
+        .collect()
 }
 
 /// Sends `bad` (key, value, headers as bytes) then a good event to a new topic, runs a consumer
@@ -66,7 +70,7 @@ struct Row {
 async fn bad_then_good(
     db: &TestDb,
     bad: (Option<&[u8]>, Option<&[u8]>, &[ByteHeader<'_>]),
-) -> Result<Vec<Row>> {
+) -> Result<Vec<QuarantinedMessage>> {
     let topic = random_topic(1).await?;
     produce_bytes(&topic, 0, bad.0, bad.1, bad.2).await?;
     let good = EventId::new();
@@ -110,16 +114,9 @@ async fn bad_then_good(
     shutdown.cancel();
     run.await??;
     let stats = consumer.stats();
-    ensure!(
-        (stats.processed, stats.quarantined) == (1, 1),
-        "{stats:?}"
-    );
-    Ok(sqlx::query_as(
-        "SELECT reason, error, event_id, message_key, payload FROM outbox_consumer_quarantine \
-         ORDER BY id",
-    )
-    .fetch_all(&db.pool)
-    .await?)
+    ensure!((stats.processed, stats.quarantined) == (1, 1), "{stats:?}");
+    let mut conn = db.pool.acquire().await?;
+    Ok(list_quarantined(&mut conn, &TableNames::default(), 10).await?)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,12 +139,24 @@ async fn a_nul_in_a_header_value_is_quarantined_with_its_bytes_and_the_partition
     assert_eq!(rows[0].event_id, Some(id.parse()?));
     assert_eq!(rows[0].message_key.as_deref(), Some(&b"k\0k"[..]));
     assert_eq!(rows[0].payload.as_deref(), Some(&b"{not json\0"[..]));
+    assert_eq!(rows[0].received_headers()?, whole(headers)?);
+    // What `outbox quarantine requeue` sends back: every header, in order, bytes intact.
+    let sent: Vec<(String, Option<Vec<u8>>)> = headers
+        .iter()
+        .map(|(n, v)| {
+            (
+                String::from_utf8_lossy(n).into_owned(),
+                v.map(<[u8]>::to_vec),
+            )
+        })
+        .collect();
+    assert_eq!(rows[0].record_headers()?, sent);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_nul_in_the_id_header_is_quarantined_with_its_bytes_and_the_partition_flows()
--> Result<()> {
+async fn a_nul_in_the_id_header_is_quarantined_with_its_bytes_and_the_partition_flows() -> Result<()>
+{
     let db = db().await?;
     let id = format!("{}\0", EventId::new());
     let headers: &[ByteHeader<'_>] = &[(b"id", Some(id.as_bytes())), (b"type", Some(b"T"))];
@@ -160,6 +169,7 @@ async fn a_nul_in_the_id_header_is_quarantined_with_its_bytes_and_the_partition_
         rows[0].error
     );
     assert_eq!(rows[0].payload.as_deref(), Some(&br#"{"n":1}"#[..]));
+    assert_eq!(rows[0].received_headers()?, whole(headers)?);
     Ok(())
 }
 
@@ -177,6 +187,15 @@ async fn a_header_name_that_is_not_utf8_is_quarantined_and_the_partition_flows()
     assert_eq!(rows[0].reason, "invalid_header_name");
     assert_eq!(rows[0].event_id, Some(id.parse()?));
     assert_eq!(rows[0].payload.as_deref(), Some(&br#"{"n":1}"#[..]));
+    // rdkafka reads neither the name nor the value of that header; the others are kept whole,
+    // and its place among them.
+    let mut expected = whole(&[headers[0], headers[2]])?;
+    expected.insert(1, ReceivedHeader::Unreadable);
+    assert_eq!(rows[0].received_headers()?, expected);
+    assert!(
+        rows[0].record_headers().is_err(),
+        "not sent again with a header missing"
+    );
     Ok(())
 }
 
@@ -190,6 +209,17 @@ async fn a_header_name_with_a_nul_does_not_pass_for_id() -> Result<()> {
     assert_eq!(rows.len(), 1, "quarantined, not handled as event {id}");
     assert_eq!(rows[0].reason, "invalid_header_name");
     assert_eq!(rows[0].event_id, None, "`id\\0x` names no event");
+    // Its name as far as librdkafka shows it, and its length; its value whole.
+    let mut expected = whole(&headers[1..])?;
+    expected.insert(
+        0,
+        ReceivedHeader::CutAtNul {
+            prefix: "id".to_owned(),
+            len: 4,
+            value: Some(id.clone().into_bytes()),
+        },
+    );
+    assert_eq!(rows[0].received_headers()?, expected);
     Ok(())
 }
 
@@ -244,5 +274,78 @@ async fn a_different_record_at_a_reused_offset_is_quarantined_too() -> Result<()
         [b"{first".to_vec(), b"{other".to_vec()],
         "the redelivery is stored once, the other record at its offset too"
     );
+    Ok(())
+}
+
+/// The database refusing the full row for what it holds (here an operator's constraint) is no
+/// outage: the message is stored with its bytes alone, and the partition flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_row_the_database_refuses_is_stored_as_bytes_and_the_partition_flows()
+-> Result<()> {
+    let db = db().await?;
+    sqlx::query(
+        "ALTER TABLE outbox_consumer_quarantine \
+         ADD CONSTRAINT no_json_view CHECK (headers = '{}'::jsonb)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let headers: &[ByteHeader<'_>] = &[(b"x", Some(b"\0\xff")), (b"id", Some(b"not-a-uuid"))];
+    let rows = bad_then_good(&db, (Some(b"k"), Some(b"{broken"), headers)).await?;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].reason, "quarantine_refused");
+    assert!(
+        rows[0].error.starts_with("invalid_id: ") && rows[0].error.contains("no_json_view"),
+        "{}",
+        rows[0].error
+    );
+    assert_eq!(rows[0].message_key.as_deref(), Some(&b"k"[..]));
+    assert_eq!(rows[0].payload.as_deref(), Some(&b"{broken"[..]));
+    assert_eq!(rows[0].received_headers()?, whole(headers)?);
+    Ok(())
+}
+
+/// A row written before migration 0006 (headers in JSONB only) is read as before, and the
+/// same position takes a new row for another record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_before_the_bytes_column_stay_readable() -> Result<()> {
+    let db = TestDb::before_migration(6).await?;
+    sqlx::query(
+        "INSERT INTO outbox_consumer_quarantine \
+            (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
+         VALUES ('c1', 't', 0, 5, 'k'::bytea, '{old'::bytea, \
+                 '{\"id\": [\"a\", {\"hex\": \"ff00\"}], \"n\": null}', 'invalid_id', 'e')",
+    )
+    .execute(&db.pool)
+    .await?;
+    outbox_core::migrate(&db.pool).await?;
+    let consumer = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record_effect)?;
+    let other = rdkafka::message::OwnedMessage::new(
+        Some(b"{new".to_vec()),
+        Some(b"k".to_vec()),
+        "t".to_owned(),
+        rdkafka::Timestamp::NotAvailable,
+        0,
+        5,
+        None,
+    );
+    assert_eq!(
+        consumer.process(&other, &CancellationToken::new()).await?,
+        Outcome::Quarantined("missing_id")
+    );
+    let mut conn = db.pool.acquire().await?;
+    let rows = list_quarantined(&mut conn, &TableNames::default(), 10).await?;
+    assert_eq!(rows.len(), 2);
+    let mut old = rows[0].record_headers()?;
+    old.sort();
+    assert_eq!(
+        old,
+        [
+            ("id".to_owned(), Some(b"a".to_vec())),
+            ("id".to_owned(), Some(vec![0xff, 0x00])),
+            ("n".to_owned(), None),
+        ]
+    );
+    assert_eq!(rows[1].payload.as_deref(), Some(&b"{new"[..]));
+    assert_eq!(rows[1].record_headers()?, []);
     Ok(())
 }

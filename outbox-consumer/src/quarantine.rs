@@ -27,7 +27,7 @@ use crate::failure::is_unavailable;
 use crate::headers::{Read, ReceivedHeader};
 use crate::{ConsumerError, RawHeader, header_list};
 
-/// Marker of a header value that is not UTF-8 in the `headers` column.
+/// Marker of a header value that is not UTF-8, or holds a NUL, in the `headers` column.
 const BINARY_MARKER: &str = "hex";
 
 /// A quarantined message, whole: enough to publish it again exactly as it was received.
@@ -56,8 +56,8 @@ pub struct QuarantinedMessage {
     pub message_key: Option<Vec<u8>>,
     /// The raw value.
     pub payload: Option<Vec<u8>>,
-    /// Headers for people, encoded as the [module docs](self) say; [`Self::record_headers`]
-    /// decodes them.
+    /// Headers for people, encoded as the [module docs](self) say. [`Self::received_headers`]
+    /// and [`Self::record_headers`] read the headers themselves.
     pub headers: sqlx::types::Json<serde_json::Map<String, serde_json::Value>>,
     /// The headers as bytes ([`Self::received_headers`] decodes them); `None` in rows written
     /// before migration 0006.

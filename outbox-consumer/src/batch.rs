@@ -393,8 +393,7 @@ where
                 Item::Cached => Outcome::DuplicateCached,
                 Item::NotForUs => Outcome::NotForUs,
                 Item::Rejected(rejected) => {
-                    self.record_rejected(tx, message, rejected).await?;
-                    Outcome::Quarantined(rejected.reason)
+                    Outcome::Quarantined(self.record_rejected(tx, message, rejected).await?)
                 }
                 Item::Event(event)
                     if new.contains(event.id.as_uuid()) && handled.insert(*event.id.as_uuid()) =>
@@ -444,19 +443,17 @@ where
         tx: &mut Transaction<'static, Postgres>,
         message: &OwnedMessage,
         rejected: &Rejected,
-    ) -> Result<(), BatchFailure> {
+    ) -> Result<&'static str, BatchFailure> {
         let inner = &*self.inner;
-        quarantine::record(
-            tx,
-            inner.sql.quarantine.clone(),
-            &inner.name,
-            message,
-            rejected.event_id,
-            rejected.reason,
-            &rejected.error,
-        )
-        .await
-        .map_err(BatchFailure::from_statement)
+        let entry = quarantine::Entry {
+            consumer: &inner.name,
+            event_id: rejected.event_id,
+            reason: rejected.reason,
+            error: &rejected.error,
+        };
+        quarantine::store(tx, &inner.sql.quarantine, message, entry)
+            .await
+            .map_err(BatchFailure::from_statement)
     }
 
     /// After the batch's COMMIT: remember its ids, count and log what it did.
@@ -479,7 +476,7 @@ where
                     bump(&inner.counters.quarantined);
                     tracing::error!(consumer = %inner.name, topic = message.topic(),
                         partition = message.partition(), offset = message.offset(),
-                        reason = rejected.reason, error = %rejected.error, "quarantined message");
+                        reason = rejected.reason, error = %rejected.error.escape_default(), "quarantined message");
                 }
                 (Item::Cached | Item::NotForUs, _) => {}
             }

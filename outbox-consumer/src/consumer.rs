@@ -30,11 +30,14 @@ pub enum Outcome {
     DuplicateStored,
     /// Stored in the quarantine table, with this reason: the record breaks the contract or a
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
+    /// `invalid_header_name`: a header name that is not UTF-8 or has a NUL inside,
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
     /// `too_large`, `id_ahead`: a UUIDv7 id dated more than a day ahead of this machine's
     /// clock), or its attempts ran out (`handler_failed`: the handler returned an error
     /// or panicked; `handler_rejected`: it said [`HandlerError::Quarantine`](crate::HandlerError::Quarantine); `commit_failed`: the database rejected the COMMIT, e.g. a deferred
     /// constraint; `transaction_failed`: it rejected the consumer's own dedup statement).
+    /// `quarantine_refused`: the database refused the full quarantine row; the message's
+    /// bytes are stored alone, the original reason in the row's `error`.
     Quarantined(&'static str),
     /// Shutdown came while a blocked handler was still retrying; the offset is not stored.
     Abandoned,
@@ -314,6 +317,8 @@ where
             .await
     }
 
+    /// Stores `message` in the quarantine table (see [`quarantine::store`]). `Err` only when
+    /// the database is unavailable.
     pub(crate) async fn quarantine(
         &self,
         message: &OwnedMessage,
@@ -323,19 +328,16 @@ where
     ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
         let mut conn = inner.pool.acquire().await?;
-        quarantine::record(
-            &mut conn,
-            inner.sql.quarantine.clone(),
-            &inner.name,
-            message,
+        let entry = quarantine::Entry {
+            consumer: &inner.name,
             event_id,
             reason,
             error,
-        )
-        .await?;
+        };
+        let reason = quarantine::store(&mut conn, &inner.sql.quarantine, message, entry).await?;
         bump(&inner.counters.quarantined);
         tracing::error!(consumer = %inner.name, topic = message.topic(), partition = message.partition(),
-            offset = message.offset(), reason, %error, "quarantined message");
+            offset = message.offset(), reason, error = %error.escape_default(), "quarantined message");
         Ok(Outcome::Quarantined(reason))
     }
 }

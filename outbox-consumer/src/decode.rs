@@ -5,10 +5,11 @@
 use chrono::{TimeZone, Utc};
 use outbox_core::{Envelope, wire};
 use rdkafka::Message;
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
+use crate::headers::{self, Read};
 use crate::slice::{dedup_slice, today};
 use crate::{ConsumerConfig, Event, RawHeader};
 
@@ -47,17 +48,23 @@ pub(crate) fn decode<P: DeserializeOwned>(
         );
         return Err(Rejected::new("too_large", error, None));
     }
-    let raw_headers: Vec<RawHeader> = message
-        .headers()
-        .into_iter()
-        .flat_map(|hs| {
-            hs.iter()
-                .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+    let read = headers::read(message);
+    let whole = || {
+        read.iter().filter_map(|h| match h {
+            Read::Whole(name, value) => Some((*name, *value)),
+            _ => None,
         })
+    };
+    // A name rdkafka could not read, or one with a NUL inside (`id\0x` reads as `id`), is
+    // not the contract's: the record is not decoded with it.
+    if let Some(error) = headers::name_defect(&read) {
+        let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
+        return Err(Rejected::new("invalid_header_name", error, id));
+    }
+    let raw_headers: Vec<RawHeader> = whole()
+        .map(|(name, value)| (name.to_owned(), value.map(<[u8]>::to_vec)))
         .collect();
-    let headers = raw_headers
-        .iter()
-        .map(|(name, value)| (name.as_str(), value.as_deref()));
+    let headers = whole();
     let Envelope {
         id,
         aggregate_id,

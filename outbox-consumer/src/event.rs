@@ -23,7 +23,8 @@ pub struct Event<P> {
     /// value; `id` and `type` never repeat, such records are quarantined).
     pub headers: BTreeMap<String, String>,
     /// Every header as received, in order, bytes intact: what another producer's binary
-    /// headers are read from.
+    /// headers are read from. (A record with a header name that is not UTF-8 or has a NUL
+    /// inside never reaches a handler: it is quarantined as `invalid_header_name`.)
     pub raw_headers: Vec<RawHeader>,
     /// Topic it was read from.
     pub topic: String,

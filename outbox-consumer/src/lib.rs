@@ -73,6 +73,8 @@ mod error;
 mod event;
 mod failure;
 mod handler;
+mod header_list;
+mod headers;
 mod partition_stream;
 mod permit;
 mod prune;
@@ -91,6 +93,7 @@ pub use consumer::{ConsumerStats, DedupConsumer, Outcome};
 pub use error::ConsumerError;
 pub use event::{Event, RawHeader};
 pub use handler::{BoxError, Boxed, Handler, HandlerError, HandlerFn, HandlerFuture, boxed};
+pub use headers::ReceivedHeader;
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;

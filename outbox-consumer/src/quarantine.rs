@@ -2,24 +2,32 @@
 //! actions on what it holds.
 //!
 //! A row keeps the message whole (key, value, headers), so that `outbox quarantine requeue`
-//! can publish it again exactly as it was received. Header values may be any bytes, and a
-//! name may repeat (that is what an `ambiguous_id` message is), so the `headers` column maps
-//! each name to its value as a JSON string when it is UTF-8, to `{"hex": "<bytes>"}` when it
-//! is not, to `null` for a header without a value, and to an array of those, in the order
-//! received, when the name repeats. Only the order between different names is not kept
-//! (JSONB does not keep object order).
+//! can publish it again exactly as it was received. The headers are kept as bytes, in order,
+//! in `header_bytes` (`header_list.rs` has the format): a header value may hold any bytes, a
+//! NUL included, which neither JSONB nor TEXT can. The `headers` column is a view of them for
+//! people: each name maps to its value as a JSON string when it is UTF-8 without a NUL, to
+//! `{"hex": "<bytes>"}` otherwise, to `null` for a header without a value, and to an array of
+//! those, in the order received, when the name repeats. Rows written before migration 0006
+//! have no `header_bytes`; their `headers` column is read instead (it lost only the order
+//! between different names).
+//!
+//! A row is unique per position and record: a redelivered message is stored once, a
+//! different record at an offset a row already holds (a topic deleted and made again, a
+//! cluster failed over) gets its own row.
 
 use chrono::{DateTime, Utc};
 use outbox_core::{QuarantineTable, TableNames};
 use rdkafka::Message;
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::OwnedMessage;
 use serde_json::{Map, Value};
 use sqlx::{PgConnection, SqlStr};
 use uuid::Uuid;
 
-use crate::{ConsumerError, RawHeader};
+use crate::failure::is_unavailable;
+use crate::headers::{Read, ReceivedHeader};
+use crate::{ConsumerError, RawHeader, header_list};
 
-/// Marker of a header value that is not UTF-8 in the `headers` column.
+/// Marker of a header value that is not UTF-8, or holds a NUL, in the `headers` column.
 const BINARY_MARKER: &str = "hex";
 
 /// A quarantined message, whole: enough to publish it again exactly as it was received.
@@ -48,14 +56,50 @@ pub struct QuarantinedMessage {
     pub message_key: Option<Vec<u8>>,
     /// The raw value.
     pub payload: Option<Vec<u8>>,
-    /// Headers, encoded as the [module docs](self) say; [`Self::record_headers`] decodes them.
+    /// Headers for people, encoded as the [module docs](self) say. [`Self::received_headers`]
+    /// and [`Self::record_headers`] read the headers themselves.
     pub headers: sqlx::types::Json<serde_json::Map<String, serde_json::Value>>,
+    /// The headers as bytes ([`Self::received_headers`] decodes them); `None` in rows written
+    /// before migration 0006.
+    #[serde(skip)]
+    pub header_bytes: Option<Vec<u8>>,
 }
 
 impl QuarantinedMessage {
+    /// The headers as they were received, in order, with what could be read of each (see
+    /// [`ReceivedHeader`]). Rows written before migration 0006 keep the order of a repeated
+    /// name's values, not the order between names.
+    pub fn received_headers(&self) -> Result<Vec<ReceivedHeader>, ConsumerError> {
+        match &self.header_bytes {
+            Some(column) => header_list::decode(column)
+                .map_err(|e| ConsumerError::InvalidQuarantineRow(format!("row {}: {e}", self.id))),
+            None => Ok(self
+                .json_headers()?
+                .into_iter()
+                .map(|(name, value)| ReceivedHeader::Whole { name, value })
+                .collect()),
+        }
+    }
+
     /// The headers as they were received: name and value bytes, a repeated name once per
-    /// value in its original order.
+    /// value in its original order. An error when a header's name could not be read in full
+    /// (not UTF-8, or with a NUL inside): such a message cannot be published again as it was.
     pub fn record_headers(&self) -> Result<Vec<RawHeader>, ConsumerError> {
+        self.received_headers()?
+            .into_iter()
+            .enumerate()
+            .map(|(i, header)| match header {
+                ReceivedHeader::Whole { name, value } => Ok((name, value)),
+                _ => Err(ConsumerError::InvalidQuarantineRow(format!(
+                    "row {}: the name of header {i} was not received in full (not UTF-8, or \
+                     with a NUL inside): the message cannot be published again as received",
+                    self.id
+                ))),
+            })
+            .collect()
+    }
+
+    fn json_headers(&self) -> Result<Vec<RawHeader>, ConsumerError> {
         let mut headers = Vec::new();
         for (name, value) in self.headers.0.iter() {
             let values = match value {
@@ -76,40 +120,115 @@ impl QuarantinedMessage {
     }
 }
 
-/// Writes `message` into the quarantine table. A message already there (redelivered) is
-/// left as it is.
-pub(crate) async fn record(
+/// Reason of a quarantine row whose full form the database refused.
+pub(crate) const REFUSED: &str = "quarantine_refused";
+
+/// What a quarantine row says about its message, besides the message.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Entry<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) event_id: Option<Uuid>,
+    pub(crate) reason: &'static str,
+    pub(crate) error: &'a str,
+}
+
+/// Writes `message` into the quarantine table and returns the reason stored. The same record
+/// already there (redelivered) is left as it is.
+///
+/// The database refusing the row for what it holds (any answer but an outage: a value it
+/// cannot store, an operator's constraint or trigger) must not stall the partition, as
+/// retrying a refusal would: the message is then stored with what cannot be refused (its
+/// bytes, the reasons in ASCII) as [`REFUSED`]. The full row is tried in a savepoint when
+/// `conn` is in a transaction, so the caller's transaction survives the refusal. `Err` when
+/// the database is unavailable, or refused that row too.
+pub(crate) async fn store(
+    conn: &mut PgConnection,
+    insert: &SqlStr,
+    message: &OwnedMessage,
+    entry: Entry<'_>,
+) -> Result<&'static str, sqlx::Error> {
+    // Errors quote the record (an `id` header with a NUL): TEXT cannot hold a NUL.
+    let error = entry.error.replace('\0', "\\0");
+    let full = Entry {
+        error: &error,
+        ..entry
+    };
+    let mut attempt = sqlx::Connection::begin(&mut *conn).await?;
+    match insert_row(&mut attempt, insert.clone(), message, full, true).await {
+        Ok(()) => {
+            attempt.commit().await?;
+            Ok(entry.reason)
+        }
+        Err(refused) if !is_unavailable(&refused) => {
+            attempt.rollback().await?;
+            let error = format!(
+                "{}: {error}; the full quarantine row was refused: {refused}",
+                entry.reason
+            )
+            .escape_default()
+            .to_string();
+            tracing::error!(consumer = entry.consumer, topic = message.topic(),
+                partition = message.partition(), offset = message.offset(), %error,
+                "the database refused the quarantine row; storing the message's bytes alone");
+            let bytes_alone = Entry {
+                reason: REFUSED,
+                error: &error,
+                ..entry
+            };
+            insert_row(conn, insert.clone(), message, bytes_alone, false).await?;
+            Ok(REFUSED)
+        }
+        Err(unavailable) => Err(unavailable),
+    }
+}
+
+/// Inserts the row; `people_view` false writes `{}` as the `headers` view (the headers' bytes
+/// are kept either way).
+async fn insert_row(
     conn: &mut PgConnection,
     insert: SqlStr,
-    consumer: &str,
     message: &OwnedMessage,
-    event_id: Option<Uuid>,
-    reason: &str,
-    error: &str,
+    entry: Entry<'_>,
+    people_view: bool,
 ) -> Result<(), sqlx::Error> {
+    let read = crate::headers::read(message);
+    let view = if people_view {
+        headers_json(&read)
+    } else {
+        Map::new()
+    };
     sqlx::query(insert)
-        .bind(consumer)
+        .bind(entry.consumer)
         .bind(message.topic())
         .bind(message.partition())
         .bind(message.offset())
-        .bind(event_id)
+        .bind(entry.event_id)
         .bind(message.key())
         .bind(message.payload())
-        .bind(Value::Object(headers_json(message)))
-        .bind(reason)
-        .bind(error)
+        .bind(Value::Object(view))
+        .bind(header_list::encode(&read))
+        .bind(entry.reason)
+        .bind(entry.error)
         .execute(conn)
         .await?;
     Ok(())
 }
 
-fn headers_json(message: &OwnedMessage) -> Map<String, Value> {
+fn headers_json(read: &[Read<'_>]) -> Map<String, Value> {
     let mut map = Map::new();
-    for header in message.headers().into_iter().flat_map(|hs| hs.iter()) {
-        let value = header_value(header.value);
-        match map.get_mut(header.key) {
+    for header in read {
+        let (name, value) = match header {
+            Read::Whole(name, value) => ((*name).to_owned(), header_value(*value)),
+            // Shown, not read back: `header_bytes` holds what is known of them.
+            Read::CutAtNul { prefix, len, value } => (
+                format!("<name of {len} bytes cut at a NUL after {prefix:?}>"),
+                header_value(*value),
+            ),
+            Read::Unreadable => ("<name not UTF-8, unreadable>".to_owned(), Value::Null),
+        };
+        match map.get_mut(&name) {
             None => {
-                map.insert(header.key.to_owned(), value);
+                map.insert(name, value);
             }
             Some(Value::Array(values)) => values.push(value),
             Some(first) => *first = Value::Array(vec![first.take(), value]),
@@ -119,14 +238,16 @@ fn headers_json(message: &OwnedMessage) -> Map<String, Value> {
 }
 
 fn header_value(value: Option<&[u8]>) -> Value {
-    match value.map(std::str::from_utf8) {
+    match value {
         None => Value::Null,
-        Some(Ok(text)) => Value::String(text.to_owned()),
-        Some(Err(_)) => {
-            let bytes = value.unwrap_or_default();
-            let hex = bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
-            Value::Object(Map::from_iter([(BINARY_MARKER.to_owned(), hex.into())]))
-        }
+        // JSONB cannot hold U+0000.
+        Some(bytes) => match std::str::from_utf8(bytes) {
+            Ok(text) if !text.contains('\0') => Value::String(text.to_owned()),
+            _ => {
+                let hex = bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+                Value::Object(Map::from_iter([(BINARY_MARKER.to_owned(), hex.into())]))
+            }
+        },
     }
 }
 
@@ -150,7 +271,7 @@ fn header_bytes(value: &Value) -> Option<Option<Vec<u8>>> {
 }
 
 const COLUMNS: &str = "id, consumer, topic, partition, \"offset\", event_id, reason, error, quarantined_at, \
-                       message_key, payload, headers";
+                       message_key, payload, headers, header_bytes";
 
 fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
     QuarantineTable::new(&tables.consumer_quarantine, COLUMNS, "id", "TRUE")
@@ -189,21 +310,13 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn headers_round_trip_through_the_column_whatever_their_bytes() {
-        let received: Vec<(&str, Option<&[u8]>)> = vec![
-            ("id", Some(b"a")),
-            ("bin", Some(&[0xff, 0x00, 0xc3])),
-            ("id", Some(b"b")),
-            ("none", None),
-            ("id", Some(&[0xfe])),
-        ];
+    fn message(received: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
         let headers = received
             .iter()
             .fold(OwnedHeaders::new(), |hs, (key, value)| {
                 hs.insert(Header { key, value: *value })
             });
-        let message = OwnedMessage::new(
+        OwnedMessage::new(
             None,
             None,
             "t".into(),
@@ -211,17 +324,11 @@ mod tests {
             0,
             0,
             Some(headers),
-        );
-        let json = headers_json(&message);
-        assert_eq!(
-            Value::Object(json.clone()),
-            serde_json::json!({
-                "id": ["a", "b", {"hex": "fe"}],
-                "bin": {"hex": "ff00c3"},
-                "none": null,
-            })
-        );
-        let row = QuarantinedMessage {
+        )
+    }
+
+    fn row(headers: Map<String, Value>, header_bytes: Option<Vec<u8>>) -> QuarantinedMessage {
+        QuarantinedMessage {
             id: 1,
             consumer: "c".into(),
             topic: "t".into(),
@@ -233,16 +340,77 @@ mod tests {
             quarantined_at: Utc::now(),
             message_key: None,
             payload: None,
-            headers: sqlx::types::Json(json),
-        };
-        let mut decoded = row.record_headers().expect("decodes");
-        let mut expected: Vec<(String, Option<Vec<u8>>)> = received
+            headers: sqlx::types::Json(headers),
+            header_bytes,
+        }
+    }
+
+    fn owned(received: &[(&str, Option<&[u8]>)]) -> Vec<RawHeader> {
+        received
             .iter()
             .map(|(k, v)| ((*k).to_owned(), v.map(<[u8]>::to_vec)))
-            .collect();
-        // Names keep their values' order; only the order between names is the column's.
+            .collect()
+    }
+
+    #[test]
+    fn headers_round_trip_through_the_columns_whatever_their_bytes() {
+        let received: Vec<(&str, Option<&[u8]>)> = vec![
+            ("id", Some(b"a")),
+            ("bin", Some(&[0xff, 0x00, 0xc3])),
+            ("id", Some(b"b")),
+            ("none", None),
+            ("id", Some(&[0xfe])),
+            // Valid UTF-8, yet JSONB cannot hold it: a Java client's offset header.
+            ("dlt", Some(&[0, 0, 0, 42])),
+        ];
+        let message = message(&received);
+        let read = crate::headers::read(&message);
+        let json = headers_json(&read);
+        assert_eq!(
+            Value::Object(json.clone()),
+            serde_json::json!({
+                "id": ["a", "b", {"hex": "fe"}],
+                "bin": {"hex": "ff00c3"},
+                "none": null,
+                "dlt": {"hex": "0000002a"},
+            })
+        );
+        // A new row: every header, in order, from its bytes.
+        let new = row(json.clone(), Some(header_list::encode(&read)));
+        assert_eq!(new.record_headers().expect("decodes"), owned(&received));
+
+        // A row written before migration 0006: from the view, names in the column's order.
+        let old = row(json, None);
+        let mut decoded = old.record_headers().expect("decodes");
+        let mut expected = owned(&received);
         decoded.sort_by(|a, b| a.0.cmp(&b.0));
         expected.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(decoded, expected);
+    }
+
+    #[test]
+    fn a_name_not_received_in_full_is_kept_but_not_sent_again() {
+        let message = message(&[("id\0x", Some(b"v")), ("ok", Some(b"w"))]);
+        let read = crate::headers::read(&message);
+        let json = headers_json(&read);
+        let stored = row(json, Some(header_list::encode(&read)));
+        assert_eq!(
+            stored.received_headers().expect("decodes"),
+            [
+                ReceivedHeader::CutAtNul {
+                    prefix: "id".into(),
+                    len: 4,
+                    value: Some(b"v".to_vec())
+                },
+                ReceivedHeader::Whole {
+                    name: "ok".into(),
+                    value: Some(b"w".to_vec())
+                },
+            ]
+        );
+        assert!(matches!(
+            stored.record_headers(),
+            Err(ConsumerError::InvalidQuarantineRow(_))
+        ));
     }
 }

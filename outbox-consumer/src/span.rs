@@ -4,7 +4,7 @@
 use outbox_core::trace::HEADER_TRACESTATE;
 use outbox_core::trace::{HEADER_TRACEPARENT, TraceParent};
 use rdkafka::Message;
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::OwnedMessage;
 
 /// An `outbox.consume` span for `message`. Its `traceparent` field holds the W3C context the
 /// producer attached (a valid one only); with the `opentelemetry` feature that context also
@@ -18,13 +18,8 @@ pub(crate) fn message_span(consumer: &str, message: &OwnedMessage) -> tracing::S
         offset = message.offset(),
         traceparent = tracing::field::Empty,
     );
-    let header = |name: &str| {
-        message
-            .headers()?
-            .iter()
-            .find(|h| h.key == name)
-            .and_then(|h| std::str::from_utf8(h.value?).ok())
-    };
+    // Read without rdkafka's accessor, which panics on a header name that is not UTF-8.
+    let header = |name: &str| crate::headers::text(message, name);
     if let Some(parent) = header(HEADER_TRACEPARENT).and_then(|v| v.parse::<TraceParent>().ok()) {
         span.record("traceparent", tracing::field::display(parent));
         #[cfg(feature = "opentelemetry")]

@@ -44,9 +44,10 @@ impl ConsumerSql {
             .into_sql_str(),
             quarantine: AssertSqlSafe(format!(
                 "INSERT INTO {quarantine} \
-                    (consumer, topic, partition, \"offset\", event_id, message_key, payload, headers, reason, error) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
-                 ON CONFLICT (consumer, topic, partition, \"offset\") DO NOTHING"
+                    (consumer, topic, partition, \"offset\", event_id, message_key, payload, headers, \
+                     header_bytes, reason, error) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+                 ON CONFLICT (consumer, topic, partition, \"offset\", record_digest) DO NOTHING"
             ))
             .into_sql_str(),
         }

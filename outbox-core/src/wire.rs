@@ -260,4 +260,15 @@ mod tests {
             Err(DecodeError::InvalidHeader("type".into()))
         );
     }
+
+    #[test]
+    fn a_name_is_matched_whole_a_nul_inside_it_included() {
+        let id = EventId::new().to_string();
+        let headers = [("id\0x", Some(id.as_bytes())), ("type\0", Some(&b"T"[..]))];
+        assert_eq!(event_id(headers), Err(DecodeError::MissingId));
+        assert_eq!(
+            decode(None, headers, Some(b"{}")),
+            Err(DecodeError::MissingId)
+        );
+    }
 }

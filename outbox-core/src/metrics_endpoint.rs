@@ -70,6 +70,10 @@ fn describe() {
         "outbox_consumer_revoked_skipped_total",
         "Queued messages dropped because a rebalance revoked their partition"
     );
+    describe_counter!(
+        "outbox_consumer_not_for_us_total",
+        "Requeued copies skipped because they name another consumer"
+    );
     describe_histogram!(
         "outbox_consumer_message_seconds",
         Unit::Seconds,

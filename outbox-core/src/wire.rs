@@ -44,7 +44,7 @@ pub const HEADER_REQUEUE_FOR: &str = "outbox-requeue-for";
 pub const DEFAULT_TOPIC_PREFIX: &str = "outbox.event.";
 
 /// Header names the contract owns; applications may not set them.
-pub const RESERVED_HEADERS: &[&str] = &[HEADER_ID, HEADER_TYPE];
+pub const RESERVED_HEADERS: &[&str] = &[HEADER_ID, HEADER_TYPE, HEADER_REQUEUE_FOR];
 
 /// The topic Debezium's router would pick for `aggregate_type`.
 pub fn default_topic(aggregate_type: &str) -> String {
@@ -123,11 +123,11 @@ pub fn decode<'h>(
     for (name, value) in headers {
         let text = std::str::from_utf8(value.unwrap_or_default());
         if is_reserved_header(name) {
-            *(if name == HEADER_ID {
-                &mut ids
-            } else {
-                &mut types
-            }) += 1;
+            if name == HEADER_ID {
+                ids += 1;
+            } else if name == HEADER_TYPE {
+                types += 1;
+            }
             let text = text.map_err(|_| DecodeError::InvalidHeader(name.to_owned()))?;
             decoded.insert(name.to_owned(), text.to_owned());
         } else if let Ok(text) = text {

@@ -417,3 +417,151 @@ async fn an_in_process_pruner_prunes_on_its_first_turn_and_stops_when_asked() ->
     tokio::time::timeout(Duration::from_secs(10), running).await??;
     Ok(())
 }
+
+/// An effects table and a parent table for the poison event: a deferred foreign key fails at
+/// COMMIT, so the batch holding it is rejected and each of its messages is handled alone,
+/// through the one-message transaction.
+async fn poison_tables(pool: &PgPool) -> Result<()> {
+    effects_table(pool).await?;
+    sqlx::raw_sql(
+        "CREATE TABLE parents (id INT PRIMARY KEY); \
+         CREATE TABLE children (parent INT REFERENCES parents DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// `record`, except that the event with `n` = -1 makes its transaction's COMMIT fail.
+async fn record_or_poison(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    if event.payload.n == -1 {
+        sqlx::query("INSERT INTO children (parent) VALUES (42)")
+            .execute(conn)
+            .await?;
+        return Ok(());
+    }
+    record(event, conn).await
+}
+
+/// The dedup table's day slices (its partitions but the timeless one).
+async fn day_slices(pool: &PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM pg_inherits \
+         WHERE inhparent = 'outbox_consumer_dedup'::regclass \
+           AND inhrelid <> 'outbox_consumer_dedup_timeless'::regclass",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Handles `ids` (from `offset` on) with consumer `c`: through the batch path, or, with
+/// `alone`, behind a poison event whose batch the database rejects, so that each id is
+/// handled on its own transaction. Returns the ids' outcomes.
+async fn deliver<H: outbox_consumer::Handler<Step>>(
+    c: &DedupConsumer<Step, H>,
+    ids: &[EventId],
+    offset: i64,
+    alone: bool,
+) -> Result<Vec<Outcome>> {
+    let mut messages = Vec::with_capacity(ids.len() + 1);
+    if alone {
+        messages.push(event_message("t", offset, decided(0), r#"{"n":-1}"#));
+    }
+    for (n, id) in ids.iter().enumerate() {
+        let at = offset + 1 + n as i64;
+        messages.push(event_message("t", at, *id, r#"{"n":1}"#));
+    }
+    let mut outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    if alone {
+        assert_eq!(outcomes.remove(0), Outcome::Quarantined("commit_failed"));
+    }
+    Ok(outcomes)
+}
+
+/// Ids dated on many past days (a new consumer replaying a topic kept longer than the TTL, a
+/// producer's clock far behind, crafted ids) make at most the TTL in days + 2 day slices,
+/// however many days they name: each is handled once, on the batch path and on the
+/// one-message path, and a redelivery of each is a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_on_hundreds_of_past_days_make_a_bounded_number_of_slices() -> Result<()> {
+    const DAYS: i64 = 300;
+    let db = TestDb::new().await?;
+    poison_tables(&db.pool).await?;
+    let ids: Vec<EventId> = (1..=DAYS).map(|d| decided(-d)).collect();
+    let (batched, alone) = ids.split_at(ids.len() / 2);
+    let config = || ConsumerConfig::new("c1").dedup_ttl(WEEK).max_attempts(1);
+    let c = DedupConsumer::new(db.pool.clone(), config(), record_or_poison)?;
+    let first: Vec<Outcome> = [
+        deliver(&c, batched, 0, false).await?,
+        deliver(&c, alone, 1_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(first, vec![Outcome::Processed; ids.len()]);
+    assert_eq!(effects(&db.pool).await?, (DAYS, DAYS), "once per event");
+    let bound = 7 + 2;
+    let made = day_slices(&db.pool).await?;
+    assert!(made <= bound, "{made} day slices for {DAYS} days of ids");
+
+    // Redelivered to a consumer that has not cached them.
+    let c = DedupConsumer::new(db.pool.clone(), config(), record_or_poison)?;
+    let again: Vec<Outcome> = [
+        deliver(&c, batched, 2_000, false).await?,
+        deliver(&c, alone, 3_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(again, vec![Outcome::DuplicateStored; ids.len()]);
+    assert_eq!(effects(&db.pool).await?, (DAYS, DAYS), "no second effect");
+    assert!(day_slices(&db.pool).await? <= bound);
+    Ok(())
+}
+
+/// An id first handled inside the window is recorded in its day's slice; redelivered once its
+/// day is past the horizon (simulated by a consumer of the same name with a shorter TTL,
+/// whose horizon is where the first one's would be weeks later), it is looked for in every
+/// slice and found: a duplicate, on either path, and no slice is made for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_redelivered_after_its_day_passed_the_horizon_is_a_duplicate() -> Result<()> {
+    let db = TestDb::new().await?;
+    poison_tables(&db.pool).await?;
+    let ids: Vec<EventId> = (8..28).map(|d| decided(-d)).collect();
+    let (batched, alone) = ids.split_at(ids.len() / 2);
+    let month = Duration::from_secs(30 * DAY);
+    let c = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(month).max_attempts(1),
+        record_or_poison,
+    )?;
+    let first: Vec<Outcome> = [
+        deliver(&c, batched, 0, false).await?,
+        deliver(&c, alone, 1_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(first, vec![Outcome::Processed; ids.len()]);
+    let expected: Vec<String> = ids
+        .iter()
+        .map(|id| format!("outbox_consumer_dedup_d{}", dedup_slice(id.as_uuid())))
+        .collect();
+    assert_eq!(
+        slice_tables(&db.pool, &ids).await?,
+        expected,
+        "in their days' slices"
+    );
+    let made = day_slices(&db.pool).await?;
+
+    let c = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(WEEK).max_attempts(1),
+        record_or_poison,
+    )?;
+    let again: Vec<Outcome> = [
+        deliver(&c, batched, 2_000, false).await?,
+        deliver(&c, alone, 3_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(again, vec![Outcome::DuplicateStored; ids.len()]);
+    assert_eq!(effects(&db.pool).await?, (20, 20), "no second effect");
+    assert!(day_slices(&db.pool).await? <= made.max(9));
+    Ok(())
+}

@@ -37,7 +37,7 @@ use crate::decode::{self, Rejected};
 use crate::dedup_transaction::run_handler;
 use crate::failure::{AttemptError, is_unavailable};
 use crate::permit::Turn;
-use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
+use crate::slice::{Placement, SLICE_RETRIES, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
 
 /// A message, decoded.
@@ -234,7 +234,8 @@ where
         if ids.is_empty() && !items.iter().any(|i| matches!(i, Item::Rejected(_))) {
             return Ok(vec![Outcome::DuplicateCached; items.len()]);
         }
-        let slices: Vec<i32> = ids.iter().map(dedup_slice).collect();
+        let place = inner.placement();
+        let slices: Vec<i32> = ids.iter().map(|id| place.slice(id)).collect();
         inner
             .ensure_slices(slices.iter().copied())
             .await
@@ -245,6 +246,11 @@ where
             .await
             .map_err(BatchFailure::from_statement)?;
         bump(&inner.counters.transactions);
+        // Ids dated before the window, found in any slice, are duplicates (`slice.rs`).
+        let (ids, slices) = inner
+            .without_recorded_late(&mut tx, &place, ids, slices)
+            .await
+            .map_err(BatchFailure::from_statement)?;
         let new = match self.insert_ids(&mut tx, ids, &slices, recorded).await {
             Ok(new) => new,
             Err(failure) => {
@@ -254,7 +260,10 @@ where
                 return Err(failure);
             }
         };
-        let outcomes = match self.run_items(&mut tx, messages, items, &new, owned).await {
+        let outcomes = match self
+            .run_items(&mut tx, messages, items, &new, &place, owned)
+            .await
+        {
             Ok(outcomes) => outcomes,
             Err(failure) => {
                 // Dropping the transaction would roll it back too, but later: the connection
@@ -333,6 +342,7 @@ where
         messages: &[OwnedMessage],
         items: &[Item<P>],
         new: &HashSet<Uuid>,
+        place: &Placement,
         owned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<Vec<Outcome>, BatchFailure> {
         let inner = &*self.inner;
@@ -341,7 +351,7 @@ where
         for (index, (message, item)) in messages.iter().zip(items).enumerate() {
             if !owned() {
                 let unhandled: Vec<Uuid> = new.difference(&handled).copied().collect();
-                let slices: Vec<i32> = unhandled.iter().map(dedup_slice).collect();
+                let slices: Vec<i32> = unhandled.iter().map(|id| place.slice(id)).collect();
                 sqlx::query(inner.sql.delete_dedup_batch.clone())
                     .bind(&inner.name)
                     .bind(&unhandled)

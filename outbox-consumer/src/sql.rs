@@ -5,7 +5,7 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerSql {
-    /// `$3` is the id's slice (`dedup_slice`), as in the next two.
+    /// `$3` is the id's slice (`slice::Placement::slice`), as in the next three.
     pub(crate) insert_dedup: SqlStr,
     /// Inserts many ids at once; returns those that were new.
     pub(crate) insert_dedup_batch: SqlStr,
@@ -13,6 +13,11 @@ pub(crate) struct ConsumerSql {
     pub(crate) insert_new_dedup_batch: SqlStr,
     /// Deletes ids this transaction inserted but did not handle.
     pub(crate) delete_dedup_batch: SqlStr,
+    /// Takes the transaction advisory locks of late ids (`slice.rs`): `$1` the dedup table,
+    /// `$2` the consumer, `$3` the ids; in the order of their keys.
+    pub(crate) lock_late_ids: SqlStr,
+    /// The ids of `$2` recorded for consumer `$1` in any slice.
+    pub(crate) find_recorded: SqlStr,
     pub(crate) quarantine: SqlStr,
 }
 
@@ -40,6 +45,16 @@ impl ConsumerSql {
             delete_dedup_batch: AssertSqlSafe(format!(
                 "DELETE FROM {dedup} WHERE consumer = $1 \
                  AND (event_id, slice) IN (SELECT * FROM unnest($2::uuid[], $3::int[]))"
+            ))
+            .into_sql_str(),
+            // Keys in the one-bigint advisory lock space, apart from the two-int keys of the
+            // slice creators and pruners.
+            lock_late_ids: "SELECT pg_advisory_xact_lock(k) FROM ( \
+                    SELECT DISTINCT hashtextextended($1 || '/' || $2 || '/' || id::text, 0) AS k \
+                    FROM unnest($3::uuid[]) AS t(id) ORDER BY k) AS keys"
+                .into_sql_str(),
+            find_recorded: AssertSqlSafe(format!(
+                "SELECT DISTINCT event_id FROM {dedup} WHERE consumer = $1 AND event_id = ANY($2)"
             ))
             .into_sql_str(),
             quarantine: AssertSqlSafe(format!(

@@ -10,14 +10,14 @@
 //! crafted ids) make a table per day, 20,000 for 20,000 days. So a consumer makes slices only
 //! for the days of its window, `[today - (TTL days - 1), today + 1]` ([`Placement`]): at most
 //! the TTL in whole days + 2 tables a day, whatever the ids. An id dated before the window is
-//! *late*: it is recorded in the slice of the day it is handled (the receipt day, which is in
-//! the window), so it is kept the TTL after it was handled, like a timeless id, and is never
-//! quarantined for its age (a replay of a long-kept topic is handled, once). A late id's row
-//! may therefore be in any slice (its own day's, if it was handled while that day was in the
-//! window; a receipt day's otherwise), so before it is recorded it is looked for in every
-//! slice (at most the live slices, bounded as above), under a transaction advisory lock on
-//! (dedup table, consumer, id) so that two transactions handling it at once cannot both miss
-//! the other's row.
+//! recorded in the slice of the day it is handled (the receipt day, which is in the window),
+//! so it is kept the TTL after it was handled, like a timeless id, and is never quarantined
+//! for its age (a replay of a long-kept topic is handled, once). An id dated on the window's
+//! oldest day or before is *late*: its row may be in any slice (its own day's, if it was
+//! handled while that day was in the window; a receipt day's otherwise), so before it is
+//! recorded it is looked for in every slice (the live ones, bounded as above), under a
+//! transaction advisory lock on (dedup table, consumer, id) so that two transactions handling
+//! it at once cannot both miss the other's row.
 //!
 //! The window's oldest day (`place_from`) is itself placed in its own slice, never in the
 //! receipt day's: a transaction that takes an id of that day for in-window (by a clock a

@@ -17,7 +17,10 @@
 //! handled while that day was in the window; a receipt day's otherwise), so before it is
 //! recorded it is looked for in every slice (the live ones, bounded as above), under a
 //! transaction advisory lock on (dedup table, consumer, id) so that two transactions handling
-//! it at once cannot both miss the other's row.
+//! it at once cannot both miss the other's row. Ids share 64 such locks per consumer (a
+//! transaction's locks stay within Postgres's lock table whatever its batch size): the
+//! batches of old ids of one consumer's partitions mostly take turns, while batches of ids
+//! inside the window take no lock at all.
 //!
 //! The window's oldest day (`place_from`) is itself placed in its own slice, never in the
 //! receipt day's: a transaction that takes an id of that day for in-window (by a clock a

@@ -246,7 +246,8 @@ where
             .await
             .map_err(BatchFailure::from_statement)?;
         bump(&inner.counters.transactions);
-        // Ids dated before the window, found in any slice, are duplicates (`slice.rs`).
+        // Late ids (dated on the window's oldest day or before) found in any slice are
+        // duplicates (`slice.rs`).
         let (ids, slices) = inner
             .without_recorded_late(&mut tx, &place, ids, slices)
             .await

@@ -112,7 +112,8 @@ where
             .map_err(AttemptError::Unavailable)?;
         let mut tx = inner.pool.begin().await.map_err(statement)?;
         bump(&inner.counters.transactions);
-        // An id dated before the window, found in any slice, is a duplicate (`slice.rs`).
+        // A late id (dated on the window's oldest day or before) found in any slice is a
+        // duplicate (`slice.rs`).
         let (unrecorded, _) = inner
             .without_recorded_late(&mut tx, &place, vec![id], vec![slice])
             .await

@@ -43,7 +43,7 @@ use crate::failure::{
     AttemptError, handler_sql_error, is_connection_lost, is_inherited, is_outage, is_unavailable,
 };
 use crate::permit::Turn;
-use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
+use crate::slice::{Placement, SLICE_RETRIES, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
 
 /// A message, decoded.
@@ -256,7 +256,8 @@ where
             };
             return Ok(items.iter().map(skipped).collect());
         }
-        let slices: Vec<i32> = ids.iter().map(dedup_slice).collect();
+        let place = inner.placement();
+        let slices: Vec<i32> = ids.iter().map(|id| place.slice(id)).collect();
         inner
             .ensure_slices(slices.iter().copied())
             .await
@@ -267,6 +268,12 @@ where
             .await
             .map_err(BatchFailure::from_statement)?;
         bump(&inner.counters.transactions);
+        // Late ids (dated on the window's oldest day or before) found in any slice are
+        // duplicates (`slice.rs`).
+        let (ids, slices) = inner
+            .without_recorded_late(&mut tx, &place, ids, slices)
+            .await
+            .map_err(BatchFailure::from_statement)?;
         let new = match self.insert_ids(&mut tx, ids, &slices, recorded).await {
             Ok(new) => new,
             Err(failure) => {
@@ -276,7 +283,9 @@ where
                 return Err(failure);
             }
         };
-        let mut outcomes = self.run_items(&mut tx, messages, items, &new, owned).await;
+        let mut outcomes = self
+            .run_items(&mut tx, messages, items, &new, &place, owned)
+            .await;
         if let Ok(done) = &outcomes
             && done.contains(&Outcome::Processed)
         {
@@ -371,6 +380,7 @@ where
         messages: &[OwnedMessage],
         items: &[Item<P>],
         new: &HashSet<Uuid>,
+        place: &Placement,
         owned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<Vec<Outcome>, BatchFailure> {
         let inner = &*self.inner;
@@ -379,7 +389,7 @@ where
         for (index, (message, item)) in messages.iter().zip(items).enumerate() {
             if !owned() {
                 let unhandled: Vec<Uuid> = new.difference(&handled).copied().collect();
-                let slices: Vec<i32> = unhandled.iter().map(dedup_slice).collect();
+                let slices: Vec<i32> = unhandled.iter().map(|id| place.slice(id)).collect();
                 sqlx::query(inner.sql.delete_dedup_batch.clone())
                     .bind(&inner.name)
                     .bind(&unhandled)

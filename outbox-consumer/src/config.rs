@@ -32,7 +32,10 @@ pub struct ConsumerConfig {
     /// How long an id stays in memory. Never longer than `dedup_ttl`.
     pub cache_ttl: Duration,
     /// How long the dedup table keeps ids (what [`crate::prune`] should be run with). The
-    /// consumer only uses it to bound `cache_ttl`.
+    /// consumer bounds `cache_ttl` by it, and makes dedup slices only for the days it spans
+    /// back from today: an id dated earlier is recorded in the slice of the day it is handled
+    /// (see [`crate::prune`] for what that promises). Give every member of one consumer name
+    /// the same value.
     pub dedup_ttl: Duration,
     /// Handler attempts per message before the failure policy applies.
     pub max_attempts: u32,

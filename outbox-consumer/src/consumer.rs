@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::permit::Turn;
-use crate::slice::KnownSlices;
+use crate::slice::{KnownSlices, Placement};
 use crate::sql::ConsumerSql;
 use crate::{ConsumerConfig, ConsumerError, Handler, quarantine};
 
@@ -176,6 +176,35 @@ impl<P, H> Inner<P, H> {
             .ensure(&self.pool, &self.config.tables.consumer_dedup, days)
             .await
             .inspect_err(|error| tracing::warn!(%error, "cannot create a dedup slice"))
+    }
+
+    /// Where this transaction records its ids (`slice.rs`), by `dedup_ttl` and today's date.
+    pub(crate) fn placement(&self) -> Placement {
+        Placement::new(self.config.dedup_ttl)
+    }
+
+    /// `ids` and their `slices` without those recorded already outside their own day's slice:
+    /// the ids `place` says may be (`slice.rs`) are locked for this transaction and looked for
+    /// in every slice, and those found are left out (duplicates: not inserted again). The
+    /// others are found by their insert, as always.
+    pub(crate) async fn without_recorded_late(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        place: &Placement,
+        ids: Vec<Uuid>,
+        slices: Vec<i32>,
+    ) -> Result<(Vec<Uuid>, Vec<i32>), sqlx::Error> {
+        let late: Vec<Uuid> = ids.iter().copied().filter(|id| place.is_late(id)).collect();
+        let dedup = &self.config.tables.consumer_dedup;
+        let found = crate::slice::recorded_late(conn, &self.sql, dedup, &self.name, &late).await?;
+        if found.is_empty() {
+            return Ok((ids, slices));
+        }
+        Ok(ids
+            .into_iter()
+            .zip(slices)
+            .filter(|(id, _)| !found.contains(id))
+            .unzip())
     }
 
     /// A dedup insert that found no slice for its row (one was pruned since it was seen):

@@ -76,10 +76,11 @@ pub(crate) fn decode<P: DeserializeOwned>(
         Rejected::new(e.kind(), e.to_string(), id)
     })?;
     let uuid = Some(*id.as_uuid());
-    // Each day a UUIDv7 id names gets a dedup slice table, made when first met and dropped
-    // once the day is past the TTL: ids dated ahead would make tables that stay for as long,
-    // one per distinct day a producer's clock or a crafted id names. A day of slack covers
-    // clocks that disagree and the slice made ahead for tomorrow.
+    // Each day a UUIDv7 id names inside the consumer's window gets a dedup slice table, made
+    // when first met and dropped once the day is past the TTL (ids dated before the window go
+    // to the slice of the day they are handled, `slice.rs`): ids dated ahead would make
+    // tables that stay for as long, one per distinct day a producer's clock or a crafted id
+    // names. A day of slack covers clocks that disagree and the slice made ahead for tomorrow.
     let (day, latest) = (dedup_slice(id.as_uuid()), today().saturating_add(1));
     if day > latest {
         let error = format!(

@@ -17,7 +17,7 @@ use crate::failure::{
     AttemptError, TRANSACTION_OPEN, describe, handler_sql_error, is_connection_lost, is_outage,
 };
 use crate::permit::Turn;
-use crate::slice::{SLICE_RETRIES, dedup_slice, is_missing_slice};
+use crate::slice::{SLICE_RETRIES, is_missing_slice};
 use crate::{
     ConsumerError, DedupConsumer, Event, Handler, HandlerError, HandlerFailurePolicy, Outcome,
 };
@@ -115,27 +115,38 @@ where
         let inner = &*self.inner;
         let id = *event.id.as_uuid();
         let statement = |e| AttemptError::from_statement("transaction_failed", e);
-        let slice = dedup_slice(&id);
+        let place = inner.placement();
+        let slice = place.slice(&id);
         inner
             .ensure_slices([slice])
             .await
             .map_err(AttemptError::Unavailable)?;
         let mut tx = inner.pool.begin().await.map_err(statement)?;
         bump(&inner.counters.transactions);
-        let inserted = sqlx::query(inner.sql.insert_dedup.clone())
-            .bind(&inner.name)
-            .bind(id)
-            .bind(slice)
-            .execute(&mut *tx)
+        // A late id (dated on the window's oldest day or before) found in any slice is a
+        // duplicate (`slice.rs`).
+        let (unrecorded, _) = inner
+            .without_recorded_late(&mut tx, &place, vec![id], vec![slice])
             .await
-            .map_err(|e| {
-                if inner.missing_slice(&e) {
-                    AttemptError::Unavailable(e)
-                } else {
-                    statement(e)
-                }
-            })?
-            .rows_affected();
+            .map_err(statement)?;
+        let inserted = if unrecorded.is_empty() {
+            0
+        } else {
+            sqlx::query(inner.sql.insert_dedup.clone())
+                .bind(&inner.name)
+                .bind(id)
+                .bind(slice)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| {
+                    if inner.missing_slice(&e) {
+                        AttemptError::Unavailable(e)
+                    } else {
+                        statement(e)
+                    }
+                })?
+                .rows_affected()
+        };
         if inserted == 0 {
             // Whatever the rollback says, the committed row proves the event was handled.
             if let Err(error) = tx.rollback().await {

@@ -21,8 +21,12 @@
 //!
 //! Dedup rows live in day slices of the dedup table (range partitions on the day of a UUIDv7
 //! event id, [`dedup_slice`]; ids that carry no time share a timeless slice) until [`prune`]
-//! drops their day whole; see its docs for choosing the TTL. A consumer makes a day's slice
-//! the first time it meets that day, so a missing slice never fails it.
+//! drops their day whole; see its docs for choosing the TTL and what it promises. A consumer
+//! makes a day's slice the first time it meets that day, so a missing slice never fails it,
+//! but only for the days of its window (the TTL, `ConsumerConfig::dedup_ttl`, back from
+//! today): an id dated earlier is recorded in the slice of the day it is handled, and looked
+//! for in every slice. Whatever the ids, a consumer makes at most the TTL in days + 2 slices
+//! a day.
 //!
 //! # Observability
 //! Each message is handled inside an `outbox.consume` span whose `traceparent` field is the

@@ -1,4 +1,5 @@
 //! Bounding the dedup table: whole day slices dropped, the timeless slice pruned row by row.
+//! Where a row goes, and why a consumer makes slices only for its window, is in `slice.rs`.
 
 use std::time::Duration;
 
@@ -28,10 +29,33 @@ pub struct DedupPruned {
 /// - The timeless slice (ids that carry no time) is pruned by processing time, at most `batch`
 ///   rows per statement, each its own short transaction.
 ///
-/// Pick `older_than` longer than the longest time an event can be redelivered after it was
-/// decided: the topic's retention, plus the relay's longest retry window. An event redelivered
-/// after its dedup row was pruned is handled again (it looks new); its handler should then rely
-/// on the event id as an idempotency key with outside systems.
+/// Run it with the consumers' `dedup_ttl` (`ConsumerConfig::dedup_ttl`): they record an id
+/// in its own day's slice only while that day is inside their window (the TTL back from
+/// today), so that with the same TTL no slice a consumer inserts into is pruned under it, and
+/// a slice is made only for the TTL's days (+ 2), whatever days the ids name.
+///
+/// **What the TTL promises.** A redelivered event is a duplicate (no second effect) when it
+/// comes:
+///
+/// - within the TTL of the event's time (a UUIDv7 id's timestamp), however late it was first
+///   handled: its row is in its day's slice, dropped once that whole day is older than the
+///   TTL (up to about two days more: slices are whole days), or in a later day's; or
+/// - within the TTL of its first handling, if its day was already the TTL (in whole days) old
+///   when it was first handled: its row is in the slice of the day it was handled, dropped
+///   with that day. This is a new consumer name replaying a topic kept longer than the TTL,
+///   or events held back longer than the TTL: they are handled, once each, not quarantined
+///   for their age (a new consumer is expected to see the topic's history), and a crash or
+///   rebalance in the middle of such a replay redelivers them as duplicates;
+/// - for an id that carries no time, within the TTL of its first handling (the timeless slice
+///   is pruned by processing time).
+///
+/// An event first handled inside the window near its edge (its day the TTL less a day old) is
+/// kept until its day expires: at least the rest of the day it was handled and the next. So
+/// pick `older_than` longer than the longest time an event can be redelivered after it was
+/// decided: the topic's retention (or how far back a group could be reset), plus the relay's
+/// longest retry window. An event redelivered after its dedup row was pruned is handled again
+/// (it looks new); its handler should then rely on the event id as an idempotency key with
+/// outside systems.
 pub async fn prune(
     conn: &mut PgConnection,
     tables: &TableNames,

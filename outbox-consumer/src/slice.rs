@@ -1,11 +1,37 @@
-//! The dedup table's time slices (its range partitions). A row's slice is a function of its
-//! event id alone, so a redelivered id meets its earlier row in the same slice: the day since
-//! the Unix epoch of a UUIDv7 id's timestamp, or [`TIMELESS`] for an id that carries no time.
-//! Pruning drops whole day slices (`prune.rs`); this file makes sure a slice exists before a
-//! row needs it, so a consumer never fails for a missing one.
+//! The dedup table's time slices (its range partitions). A row's slice is, for almost every
+//! id, a function of the id alone, so a redelivered id meets its earlier row in the same slice
+//! through the primary key: the day since the Unix epoch of a UUIDv7 id's timestamp, or
+//! [`TIMELESS`] for an id that carries no time. Pruning drops whole day slices (`prune.rs`);
+//! this file makes sure a slice exists before a row needs it, so a consumer never fails for a
+//! missing one.
+//!
+//! **Ids dated before the window.** A slice per day an id names would let ids on past days
+//! (a new consumer replaying a topic kept longer than the TTL, a producer's clock far behind,
+//! crafted ids) make a table per day, 20,000 for 20,000 days. So a consumer makes slices only
+//! for the days of its window, `[today - (TTL days - 1), today + 1]` ([`Placement`]): at most
+//! the TTL in whole days + 2 tables a day, whatever the ids. An id dated before the window is
+//! recorded in the slice of the day it is handled (the receipt day, which is in the window),
+//! so it is kept the TTL after it was handled, like a timeless id, and is never quarantined
+//! for its age (a replay of a long-kept topic is handled, once). An id dated on the window's
+//! oldest day or before is *late*: its row may be in any slice (its own day's, if it was
+//! handled while that day was in the window; a receipt day's otherwise), so before it is
+//! recorded it is looked for in every slice (the live ones, bounded as above), under a
+//! transaction advisory lock on (dedup table, consumer, id) so that two transactions handling
+//! it at once cannot both miss the other's row. Ids share 64 such locks per consumer (a
+//! transaction's locks stay within Postgres's lock table whatever its batch size): the
+//! batches of old ids of one consumer's partitions mostly take turns, while batches of ids
+//! inside the window take no lock at all.
+//!
+//! The window's oldest day (`place_from`) is itself placed in its own slice, never in the
+//! receipt day's: a transaction that takes an id of that day for in-window (by a clock a
+//! moment earlier, across midnight) inserts it into the same slice as one that takes it for
+//! late, and the primary key makes one of them wait for the other and find its row. Members of
+//! one consumer name must share `dedup_ttl` (and `prune`'s TTL should be the same): members
+//! whose windows differ by more than a day could record the same id in two slices at once.
 
 use std::collections::HashSet;
 use std::sync::RwLock;
+use std::time::Duration;
 
 use outbox_core::{Ident, TableNames};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -29,6 +55,81 @@ pub fn dedup_slice(id: &Uuid) -> i32 {
         .fold(0_u64, |acc, b| (acc << 8) | u64::from(*b));
     // 48 bits of milliseconds are under 2^48 / DAY_MS days: an i32 holds every one.
     i32::try_from(millis / DAY_MS).unwrap_or(i32::MAX)
+}
+
+/// Where a consumer records ids today, by its TTL (`ConsumerConfig::dedup_ttl`) and this
+/// machine's clock: see the module docs. Taken once per transaction, so that every statement
+/// of it (the slices made, the rows inserted, those deleted again) agrees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Placement {
+    today: i32,
+    /// The window's oldest day: ids of this day or later (or timeless) go to their own slice.
+    place_from: i32,
+}
+
+impl Placement {
+    pub(crate) fn new(ttl: Duration) -> Self {
+        Self::at(today(), ttl)
+    }
+
+    fn at(today: i32, ttl: Duration) -> Self {
+        // Whole days, as `prune` counts them: a slice of day d lives until day d + TTL days
+        // + 1 begins. The oldest day placed in its own slice lives at least to the end of
+        // tomorrow (or of today, for a TTL of a day or less).
+        let ttl_days =
+            i32::try_from(ttl.as_millis().div_ceil(u128::from(DAY_MS))).unwrap_or(i32::MAX);
+        let keep = ttl_days.saturating_sub(1).max(1);
+        Self {
+            today,
+            place_from: today.saturating_sub(keep),
+        }
+    }
+
+    /// Whether `id` may have its row outside its own day's slice, so that it must be looked
+    /// for in every slice, under its lock, before it is recorded: a UUIDv7 id dated on the
+    /// window's oldest day or before.
+    pub(crate) fn is_late(&self, id: &Uuid) -> bool {
+        let day = dedup_slice(id);
+        day != TIMELESS && day <= self.place_from
+    }
+
+    /// The slice `id`'s row goes to if it is new: its own day's inside the window (or the
+    /// timeless slice), today's (the receipt day's) before it.
+    pub(crate) fn slice(&self, id: &Uuid) -> i32 {
+        match dedup_slice(id) {
+            day if day == TIMELESS || day >= self.place_from => day,
+            _ => self.today,
+        }
+    }
+}
+
+/// Takes the transaction's advisory locks on the late ids `ids` (in one order, so that
+/// transactions locking overlapping ids cannot deadlock on them) and returns those already
+/// recorded for `consumer` in any slice. In two statements: the look must see what a
+/// transaction that held a lock committed while this one waited for it, and a statement sees
+/// only what had committed when it began (READ COMMITTED, the consumer's isolation).
+pub(crate) async fn recorded_late(
+    conn: &mut PgConnection,
+    sql: &crate::sql::ConsumerSql,
+    dedup: &Ident,
+    consumer: &str,
+    ids: &[Uuid],
+) -> Result<HashSet<Uuid>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(HashSet::new());
+    }
+    sqlx::query(sql.lock_late_ids.clone())
+        .bind(dedup.as_str())
+        .bind(consumer)
+        .bind(ids)
+        .execute(&mut *conn)
+        .await?;
+    let recorded: Vec<Uuid> = sqlx::query_scalar(sql.find_recorded.clone())
+        .bind(consumer)
+        .bind(ids)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(recorded.into_iter().collect())
 }
 
 /// Today's slice, by this machine's clock.
@@ -206,6 +307,37 @@ mod tests {
         assert_eq!(dedup_slice(&Uuid::max()), TIMELESS, "version 15");
         let now = dedup_slice(&Uuid::now_v7());
         assert!((today() - 1..=today()).contains(&now));
+    }
+
+    #[test]
+    fn ids_before_the_window_go_to_the_receipt_days_slice() {
+        let on = |day: u64| Uuid::new_v7(uuid::Timestamp::from_unix_time(day * 86_400, 0, 0, 0));
+        let week = Duration::from_secs(7 * 86_400);
+        let place = Placement::at(20_427, week);
+        // The window: 20,421 (today - 6) to tomorrow.
+        for (day, late, slice) in [
+            (20_428, false, 20_428),
+            (20_427, false, 20_427),
+            (20_422, false, 20_422),
+            (20_421, true, 20_421),
+            (20_420, true, 20_427),
+            (1, true, 20_427),
+        ] {
+            assert_eq!(place.is_late(&on(day)), late, "day {day}");
+            assert_eq!(place.slice(&on(day)), slice, "day {day}");
+        }
+        let v4 = Uuid::new_v4();
+        assert!(!place.is_late(&v4));
+        assert_eq!(place.slice(&v4), TIMELESS);
+        // A TTL of a day or less still keeps yesterday in its own slice.
+        let short = Placement::at(20_427, Duration::from_secs(3_600));
+        assert_eq!(short.slice(&on(20_426)), 20_426);
+        assert!(short.is_late(&on(20_426)));
+        assert_eq!(short.slice(&on(20_425)), 20_427);
+        // A day and a half counts as two, as in `prune`.
+        let day_and_a_half = Placement::at(20_427, Duration::from_secs(129_600));
+        assert_eq!(day_and_a_half.slice(&on(20_425)), 20_427);
+        assert_eq!(day_and_a_half.slice(&on(20_426)), 20_426);
     }
 
     #[test]

@@ -3,9 +3,15 @@
 use outbox_core::TableNames;
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
+/// How many advisory locks late ids (`slice.rs`) share per (dedup table, consumer): what one
+/// transaction may hold at most, whatever its batch size, so that a replay of old events by
+/// many partitions at once stays within Postgres's lock table (`max_locks_per_transaction`,
+/// 64 by default, per connection). Ids that share a lock only wait for each other.
+pub(crate) const LATE_ID_LOCKS: u32 = 64;
+
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerSql {
-    /// `$3` is the id's slice (`dedup_slice`), as in the next two.
+    /// `$3` is the id's slice (`slice::Placement::slice`), as in the next three.
     pub(crate) insert_dedup: SqlStr,
     /// Inserts many ids at once; returns those that were new.
     pub(crate) insert_dedup_batch: SqlStr,
@@ -13,6 +19,13 @@ pub(crate) struct ConsumerSql {
     pub(crate) insert_new_dedup_batch: SqlStr,
     /// Deletes ids this transaction inserted but did not handle.
     pub(crate) delete_dedup_batch: SqlStr,
+    /// Takes the transaction advisory locks of late ids (`slice.rs`): `$1` the dedup table,
+    /// `$2` the consumer, `$3` the ids; in the order of their keys, so that transactions that
+    /// lock overlapping sets cannot deadlock on them. An id's lock is one of
+    /// [`LATE_ID_LOCKS`] per (dedup table, consumer).
+    pub(crate) lock_late_ids: SqlStr,
+    /// The ids of `$2` recorded for consumer `$1` in any slice.
+    pub(crate) find_recorded: SqlStr,
     pub(crate) quarantine: SqlStr,
 }
 
@@ -40,6 +53,20 @@ impl ConsumerSql {
             delete_dedup_batch: AssertSqlSafe(format!(
                 "DELETE FROM {dedup} WHERE consumer = $1 \
                  AND (event_id, slice) IN (SELECT * FROM unnest($2::uuid[], $3::int[]))"
+            ))
+            .into_sql_str(),
+            // Keys in the one-bigint advisory lock space, apart from the two-int keys of the
+            // slice creators and pruners.
+            lock_late_ids: AssertSqlSafe(format!(
+                "SELECT pg_advisory_xact_lock(k) FROM ( \
+                    SELECT DISTINCT hashtextextended( \
+                        $1 || '/' || $2 || '/' || (hashtext(id::text) & {mask}), 0) AS k \
+                    FROM unnest($3::uuid[]) AS t(id) ORDER BY k) AS keys",
+                mask = LATE_ID_LOCKS - 1
+            ))
+            .into_sql_str(),
+            find_recorded: AssertSqlSafe(format!(
+                "SELECT DISTINCT event_id FROM {dedup} WHERE consumer = $1 AND event_id = ANY($2)"
             ))
             .into_sql_str(),
             quarantine: AssertSqlSafe(format!(

@@ -461,9 +461,11 @@ async fn prune_removes_only_expired_rows_and_a_pruned_event_is_handled_again() -
     let db = db_for("c1").await?;
     effects_table(&db.pool).await?;
     let none = CancellationToken::new();
-    let c = consumer(&db, ConsumerConfig::new("c1"))?;
-    // Events decided 10, 8 and 1 day(s) ago, each in its day's slice (made by the consumer as
-    // it meets them), and ids with no time handled 8 days and 1 day ago.
+    // A month's window (as a consumer that met these events weeks ago had): events decided 10,
+    // 8 and 1 day(s) ago, each in its day's slice (made by the consumer as it meets them), and
+    // ids with no time handled 8 days and 1 day ago.
+    let month = || ConsumerConfig::new("c1").dedup_ttl(Duration::from_secs(30 * 24 * 3600));
+    let c = consumer(&db, month())?;
     let (old, older, recent) = (
         decided_days_ago(8),
         decided_days_ago(10),
@@ -502,7 +504,7 @@ async fn prune_removes_only_expired_rows_and_a_pruned_event_is_handled_again() -
 
     // Documented behaviour: once its dedup row is pruned, a redelivered event looks new (a
     // consumer that had seen its slice makes it again).
-    let again = consumer(&db, ConsumerConfig::new("c1"))?;
+    let again = consumer(&db, month())?;
     let msg = event_message("t", 9, old, r#"{"n":1}"#);
     assert_eq!(again.process(&msg, &none).await?, Outcome::Processed);
     assert_eq!(c.process(&msg, &none).await?, Outcome::DuplicateCached);

@@ -22,6 +22,15 @@ use uuid::Uuid;
 
 const DAY: u64 = 24 * 3600;
 const WEEK: Duration = Duration::from_secs(7 * DAY);
+/// The TTL of a consumer whose slices a week's prune drops under it: its window reaches days
+/// that the pruner's has left (what a consumer meets when its day's slice expires while it
+/// runs, or when members' clocks disagree about the day).
+const MONTH: Duration = Duration::from_secs(30 * DAY);
+
+/// A consumer whose window holds the days a week's prune drops.
+fn month_long(name: &str) -> ConsumerConfig {
+    ConsumerConfig::new(name).dedup_ttl(MONTH)
+}
 
 #[derive(Debug, Deserialize)]
 struct Step {
@@ -117,8 +126,9 @@ async fn the_slice_function_in_sql_and_in_rust_agree() -> Result<()> {
 }
 
 /// Every kind of id deduplicates, in its own slice; a day with no slice yet (an event from a
-/// producer whose clock runs a day ahead, an old event replayed) gets one from the consumer,
-/// which never fails for it.
+/// producer whose clock runs a day ahead) gets one from the consumer, which never fails for
+/// it; an id dated before the consumer's window (an old event replayed) goes to the slice of
+/// the day it is handled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_id_is_deduplicated_in_its_own_slice() -> Result<()> {
     let db = TestDb::new().await?;
@@ -143,6 +153,10 @@ async fn every_kind_of_id_is_deduplicated_in_its_own_slice() -> Result<()> {
         .iter()
         .map(|id| match dedup_slice(id.as_uuid()) {
             TIMELESS => "outbox_consumer_dedup_timeless".to_owned(),
+            // Before the window of the default TTL, a week: today - 6 on.
+            day if day < outbox_consumer::today() - 6 => {
+                format!("outbox_consumer_dedup_d{}", outbox_consumer::today())
+            }
             day => format!("outbox_consumer_dedup_d{day}"),
         })
         .collect();
@@ -197,7 +211,7 @@ async fn a_slice_dropped_under_a_consumer_that_had_seen_it_is_made_again() -> Re
     let db = TestDb::new().await?;
     effects_table(&db.pool).await?;
     let none = CancellationToken::new();
-    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let c = DedupConsumer::new(db.pool.clone(), month_long("c1"), record)?;
     let (first, second) = (decided(-20), decided(-20));
     let message = |offset, id| event_message("t", offset, id, r#"{"n":1}"#);
     assert_eq!(
@@ -237,7 +251,7 @@ async fn prune_beside_running_consumers_costs_them_nothing() -> Result<()> {
         )
         .await?;
     }
-    let config = ConsumerConfig::new("c1").max_batch_size(8);
+    let config = month_long("c1").max_batch_size(8);
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(
         dedup_consume(
@@ -325,7 +339,7 @@ async fn the_migration_moves_every_dedup_row_to_its_slice() -> Result<()> {
 async fn a_second_pruner_returns_at_once_with_nothing_removed() -> Result<()> {
     let db = TestDb::new().await?;
     effects_table(&db.pool).await?;
-    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let c = DedupConsumer::new(db.pool.clone(), month_long("c1"), record)?;
     let message = event_message("t", 0, decided(-20), r#"{"n":1}"#);
     assert_eq!(
         c.process(&message, &CancellationToken::new()).await?,
@@ -388,7 +402,7 @@ async fn a_prune_run_reads_the_timeless_slices_index_once_through() -> Result<()
 async fn an_in_process_pruner_prunes_on_its_first_turn_and_stops_when_asked() -> Result<()> {
     let db = TestDb::new().await?;
     effects_table(&db.pool).await?;
-    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let c = DedupConsumer::new(db.pool.clone(), month_long("c1"), record)?;
     let (expired, kept) = (decided(-20), decided(0));
     for (offset, id) in [expired, kept].into_iter().enumerate() {
         let message = event_message("t", offset as i64, id, r#"{"n":1}"#);
@@ -415,5 +429,257 @@ async fn an_in_process_pruner_prunes_on_its_first_turn_and_stops_when_asked() ->
     .await?;
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(10), running).await??;
+    Ok(())
+}
+
+/// An effects table and a parent table for the poison event: a deferred foreign key fails at
+/// COMMIT, so the batch holding it is rejected and each of its messages is handled alone,
+/// through the one-message transaction.
+async fn poison_tables(pool: &PgPool) -> Result<()> {
+    effects_table(pool).await?;
+    sqlx::raw_sql(
+        "CREATE TABLE parents (id INT PRIMARY KEY); \
+         CREATE TABLE children (parent INT REFERENCES parents DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// `record`, with `n` the advisory locks its transaction holds, except that the event with
+/// `n` = -1 makes its transaction's COMMIT fail.
+async fn record_or_poison(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    if event.payload.n == -1 {
+        sqlx::query("INSERT INTO children (parent) VALUES (42)")
+            .execute(conn)
+            .await?;
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO effects (event_id, n) SELECT $1, count(*) FROM pg_locks \
+         WHERE pid = pg_backend_pid() AND locktype = 'advisory'",
+    )
+    .bind(event.id)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The dedup table's day slices (its partitions but the timeless one).
+async fn day_slices(pool: &PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM pg_inherits \
+         WHERE inhparent = 'outbox_consumer_dedup'::regclass \
+           AND inhrelid <> 'outbox_consumer_dedup_timeless'::regclass",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Handles `ids` (from `offset` on) with consumer `c`: through the batch path, or, with
+/// `alone`, behind a poison event whose batch the database rejects, so that each id is
+/// handled on its own transaction. Returns the ids' outcomes.
+async fn deliver<H: outbox_consumer::Handler<Step>>(
+    c: &DedupConsumer<Step, H>,
+    ids: &[EventId],
+    offset: i64,
+    alone: bool,
+) -> Result<Vec<Outcome>> {
+    let mut messages = Vec::with_capacity(ids.len() + 1);
+    if alone {
+        messages.push(event_message("t", offset, decided(0), r#"{"n":-1}"#));
+    }
+    for (n, id) in ids.iter().enumerate() {
+        let at = offset + 1 + n as i64;
+        messages.push(event_message("t", at, *id, r#"{"n":1}"#));
+    }
+    let mut outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    if alone {
+        assert_eq!(outcomes.remove(0), Outcome::Quarantined("commit_failed"));
+    }
+    Ok(outcomes)
+}
+
+/// Ids dated on many past days (a new consumer replaying a topic kept longer than the TTL, a
+/// producer's clock far behind, crafted ids) make at most the TTL in days + 2 day slices,
+/// however many days they name: each is handled once, on the batch path and on the
+/// one-message path, and a redelivery of each is a duplicate. A batch of them holds at most 64
+/// advisory locks (Postgres's lock table is sized for 64 a connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_on_hundreds_of_past_days_make_a_bounded_number_of_slices() -> Result<()> {
+    const DAYS: i64 = 300;
+    let db = TestDb::new().await?;
+    poison_tables(&db.pool).await?;
+    let ids: Vec<EventId> = (1..=DAYS).map(|d| decided(-d)).collect();
+    let (batched, alone) = ids.split_at(ids.len() / 2);
+    let config = || ConsumerConfig::new("c1").dedup_ttl(WEEK).max_attempts(1);
+    let c = DedupConsumer::new(db.pool.clone(), config(), record_or_poison)?;
+    let first: Vec<Outcome> = [
+        deliver(&c, batched, 0, false).await?,
+        deliver(&c, alone, 1_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(first, vec![Outcome::Processed; ids.len()]);
+    assert_eq!(effects(&db.pool).await?, (DAYS, DAYS), "once per event");
+    let bound = 7 + 2;
+    let made = day_slices(&db.pool).await?;
+    assert!(made <= bound, "{made} day slices for {DAYS} days of ids");
+    let locks: i64 = sqlx::query_scalar("SELECT max(n) FROM effects")
+        .fetch_one(&db.pool)
+        .await?;
+    assert!(
+        (1..=64).contains(&locks),
+        "a transaction of {} old ids held {locks} advisory locks",
+        batched.len()
+    );
+
+    // Redelivered to a consumer that has not cached them.
+    let c = DedupConsumer::new(db.pool.clone(), config(), record_or_poison)?;
+    let again: Vec<Outcome> = [
+        deliver(&c, batched, 2_000, false).await?,
+        deliver(&c, alone, 3_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(again, vec![Outcome::DuplicateStored; ids.len()]);
+    assert_eq!(effects(&db.pool).await?, (DAYS, DAYS), "no second effect");
+    assert!(day_slices(&db.pool).await? <= bound);
+    Ok(())
+}
+
+/// An id first handled inside the window is recorded in its day's slice; redelivered once its
+/// day is past the horizon (simulated by a consumer of the same name with a shorter TTL,
+/// whose horizon is where the first one's would be weeks later), it is looked for in every
+/// slice and found: a duplicate, on either path, and no slice is made for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_redelivered_after_its_day_passed_the_horizon_is_a_duplicate() -> Result<()> {
+    let db = TestDb::new().await?;
+    poison_tables(&db.pool).await?;
+    let ids: Vec<EventId> = (8..28).map(|d| decided(-d)).collect();
+    let (batched, alone) = ids.split_at(ids.len() / 2);
+    let month = Duration::from_secs(30 * DAY);
+    let c = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(month).max_attempts(1),
+        record_or_poison,
+    )?;
+    let first: Vec<Outcome> = [
+        deliver(&c, batched, 0, false).await?,
+        deliver(&c, alone, 1_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(first, vec![Outcome::Processed; ids.len()]);
+    let expected: Vec<String> = ids
+        .iter()
+        .map(|id| format!("outbox_consumer_dedup_d{}", dedup_slice(id.as_uuid())))
+        .collect();
+    assert_eq!(
+        slice_tables(&db.pool, &ids).await?,
+        expected,
+        "in their days' slices"
+    );
+    let made = day_slices(&db.pool).await?;
+
+    let c = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(WEEK).max_attempts(1),
+        record_or_poison,
+    )?;
+    let again: Vec<Outcome> = [
+        deliver(&c, batched, 2_000, false).await?,
+        deliver(&c, alone, 3_000, true).await?,
+    ]
+    .concat();
+    assert_eq!(again, vec![Outcome::DuplicateStored; ids.len()]);
+    assert_eq!(effects(&db.pool).await?, (20, 20), "no second effect");
+    assert!(day_slices(&db.pool).await? <= made.max(9));
+    Ok(())
+}
+
+/// Lets the test hold `record_when_released`'s transaction open: it says when it is inside,
+/// and waits to be released.
+struct Gate {
+    inside: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+fn gate() -> &'static Gate {
+    static GATE: std::sync::OnceLock<Gate> = std::sync::OnceLock::new();
+    GATE.get_or_init(|| Gate {
+        inside: tokio::sync::Notify::new(),
+        release: tokio::sync::Notify::new(),
+    })
+}
+
+async fn record_when_released(
+    event: &Event<Step>,
+    conn: &mut PgConnection,
+) -> Result<(), sqlx::Error> {
+    record(event, conn).await?;
+    gate().inside.notify_one();
+    gate().release.notified().await;
+    Ok(())
+}
+
+/// Two transactions take the same late id at once and would record it in different slices
+/// (one in the day it is handled, the other in the id's own day: the window's oldest for it,
+/// as across midnight): the second waits for the first's lock on the id, then finds its row.
+/// Once, not twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_transactions_placing_a_late_id_in_different_slices_handle_it_once() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let id = decided(-20);
+    let message = event_message("t", 0, id, r#"{"n":1}"#);
+    // A week's window records it today; three weeks' records it in its own day, the oldest.
+    let first = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(WEEK),
+        record_when_released,
+    )?;
+    let second = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(Duration::from_secs(21 * DAY)),
+        record,
+    )?;
+    let first = tokio::spawn({
+        let message = message.clone();
+        async move { first.process(&message, &CancellationToken::new()).await }
+    });
+    gate().inside.notified().await;
+    let second = tokio::spawn({
+        let message = message.clone();
+        async move { second.process(&message, &CancellationToken::new()).await }
+    });
+    eventually(
+        "the second transaction waits for the id's lock",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks, \
+                    hashtextextended('outbox_consumer_dedup/c1/' || (hashtext($1::text) & 63), 0) AS k \
+                 WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1 \
+                   AND classid::bigint = (k >> 32) & 4294967295 \
+                   AND objid::bigint = k & 4294967295",
+            )
+            .bind(id)
+            .fetch_one(&db.pool)
+            .await?;
+            Ok(waiting == 1)
+        },
+    )
+    .await?;
+    gate().release.notify_one();
+    assert_eq!(first.await??, Outcome::Processed);
+    assert_eq!(second.await??, Outcome::DuplicateStored);
+    assert_eq!(effects(&db.pool).await?, (1, 1), "once");
+    assert_eq!(
+        slice_tables(&db.pool, &[id]).await?,
+        [format!(
+            "outbox_consumer_dedup_d{}",
+            outbox_consumer::today()
+        )]
+    );
     Ok(())
 }

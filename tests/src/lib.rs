@@ -20,6 +20,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 mod java_partitioner;
 pub use java_partitioner::{java_partition, murmur2};
+mod java_producer;
+pub use java_producer::{JavaRecord, java_produce};
 
 /// The Postgres database the tests use; each test gets its own schema in it.
 pub fn database_url() -> String {

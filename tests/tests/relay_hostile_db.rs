@@ -132,3 +132,43 @@ async fn the_claim_outlasts_a_server_statement_timeout() -> Result<()> {
     assert_eq!(report.published, ROWS, "{report:?}");
     published_once(&db, &topic, ids).await
 }
+
+/// A Kafka wait of any length (a slow broker, a producer with a long `message.timeout.ms`)
+/// never leaves the batch's transaction idle for long: while it waits, the relay runs a
+/// statement in it every few seconds, so even the relay's own idle bound cannot end it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_waiting_for_kafka_keeps_its_transaction_active() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let ids = enqueue(&db, &topic).await?;
+    let name = unique("relay");
+    let pool = pool_with(&db, &name, &[]).await?;
+    let mut kafka = producer_config(&kafka_bootstrap());
+    kafka.set("linger.ms", "4000");
+    let relay = Relay::new(pool, &kafka, RelayConfig::default().listen(false))?;
+    let batch = tokio::spawn(async move { relay.run_once().await });
+    eventually(
+        "a statement runs in the relay's transaction while it waits for Kafka",
+        Duration::from_secs(10),
+        || async {
+            if batch.is_finished() {
+                bail!("the batch ended before a statement ran during its Kafka wait");
+            }
+            let kept: i64 = sqlx::query_scalar(
+                // The claim runs as the transaction begins and the mark once Kafka acked,
+                // 4 s later at the earliest (`linger.ms`): a statement begun in between was
+                // run during the wait.
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                 AND query_start - xact_start BETWEEN interval '1 s' AND interval '3.5 s'",
+            )
+            .bind(&name)
+            .fetch_one(&db.pool)
+            .await?;
+            Ok(kept > 0)
+        },
+    )
+    .await?;
+    let report = batch.await??;
+    assert_eq!(report.published, ROWS, "{report:?}");
+    published_once(&db, &topic, ids).await
+}

@@ -35,7 +35,7 @@ async fn enqueue(db: &TestDb, topic: &str) -> Result<Vec<String>> {
     let mut events = Vec::new();
     for n in 0..ROWS {
         events.push(
-            NewEvent::new("order", &format!("k{}", n % 2), "Step", &json!({ "n": n }))?
+            NewEvent::new("order", format!("k{}", n % 2), "Step", &json!({ "n": n }))?
                 .with_topic(topic)?,
         );
     }

@@ -4,9 +4,10 @@
 //! connections only, as a role's or the server's setting would reach them. Real Postgres and
 //! Apache Kafka.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Result, ensure};
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
 use outbox_tests::{
     TestDb, count_status, eventually, kafka_bootstrap, random_topic, read_all, unique,
@@ -108,12 +109,14 @@ async fn the_claim_outlasts_a_server_statement_timeout() -> Result<()> {
         .execute(&mut *locker)
         .await?;
     let batch = tokio::spawn(async move { relay.run_once().await });
+    let ended = AtomicBool::new(false);
     eventually(
         "the relay's claim waits for the lock three times the server's statement timeout",
         Duration::from_secs(10),
         || async {
             if batch.is_finished() {
-                bail!("the relay's batch ended while the table was locked");
+                ended.store(true, Ordering::SeqCst);
+                return Ok(true);
             }
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
@@ -127,6 +130,11 @@ async fn the_claim_outlasts_a_server_statement_timeout() -> Result<()> {
         },
     )
     .await?;
+    ensure!(
+        !ended.load(Ordering::SeqCst),
+        "the relay's batch ended while the table was locked: {:?}",
+        batch.await?
+    );
     locker.commit().await?;
     let report = batch.await??;
     assert_eq!(report.published, ROWS, "{report:?}");
@@ -147,12 +155,14 @@ async fn a_relay_waiting_for_kafka_keeps_its_transaction_active() -> Result<()> 
     kafka.set("linger.ms", "4000");
     let relay = Relay::new(pool, &kafka, RelayConfig::default().listen(false))?;
     let batch = tokio::spawn(async move { relay.run_once().await });
+    let ended = AtomicBool::new(false);
     eventually(
         "a statement runs in the relay's transaction while it waits for Kafka",
         Duration::from_secs(10),
         || async {
             if batch.is_finished() {
-                bail!("the batch ended before a statement ran during its Kafka wait");
+                ended.store(true, Ordering::SeqCst);
+                return Ok(true);
             }
             let kept: i64 = sqlx::query_scalar(
                 // The claim runs as the transaction begins and the mark once Kafka acked,
@@ -168,6 +178,11 @@ async fn a_relay_waiting_for_kafka_keeps_its_transaction_active() -> Result<()> 
         },
     )
     .await?;
+    ensure!(
+        !ended.load(Ordering::SeqCst),
+        "the batch ended before a statement ran during its Kafka wait: {:?}",
+        batch.await?
+    );
     let report = batch.await??;
     assert_eq!(report.published, ROWS, "{report:?}");
     published_once(&db, &topic, ids).await

@@ -79,10 +79,15 @@ pub async fn java_produce(records: &[JavaRecord]) -> Result<()> {
             .context("java's stdin")?
             .write_all(input.as_bytes())?;
         let output = child.wait_with_output()?;
-        let acknowledged = String::from_utf8_lossy(&output.stdout).lines().count();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        // Log lines may share stdout (log4j's default configuration prints errors there).
+        let acknowledged = stdout
+            .lines()
+            .filter(|l| l.split('\t').count() == 3)
+            .count();
         if !output.status.success() || acknowledged != expected {
             bail!(
-                "the Java producer ({}) acknowledged {acknowledged} of {expected}: {}",
+                "the Java producer ({}) acknowledged {acknowledged} of {expected}: {stdout}{}",
                 output.status,
                 String::from_utf8_lossy(&output.stderr)
             );

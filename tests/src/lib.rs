@@ -20,7 +20,9 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 mod java_partitioner;
 pub use java_partitioner::{java_partition, murmur2};
+mod java_producer;
 mod raw_record;
+pub use java_producer::{JavaRecord, java_produce};
 pub use raw_record::{ByteHeader, produce_bytes};
 
 /// The Postgres database the tests use; each test gets its own schema in it.

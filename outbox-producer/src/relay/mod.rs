@@ -13,6 +13,12 @@
 //!    and commit. A crash anywhere before the commit leaves the rows pending and unlocked:
 //!    they are published again (same event id), never lost.
 //!
+//! The transaction sets its own `statement_timeout` (5 minutes) and
+//! `idle_in_transaction_session_timeout` (30 s), whatever the server, database or role sets,
+//! and runs a statement every 2 s while it waits for Kafka: a short server setting (common on
+//! managed Postgres) can neither cancel the claim nor end the transaction after Kafka
+//! acknowledged its rows, and a relay that stalls releases its rows within 30 s.
+//!
 //! # Per-key order, with any number of relays
 //! A row is published only when every earlier row of its aggregate is published. Rows
 //! another relay has locked count as unpublished until that relay commits, so two relays
@@ -44,6 +50,7 @@ mod record;
 mod row;
 mod run_loop;
 mod stats_export;
+mod transaction;
 
 use std::sync::Arc;
 #[cfg(feature = "fault-injection")]
@@ -191,11 +198,7 @@ impl Relay {
         expired: &CancellationToken,
     ) -> Result<BatchReport, ProducerError> {
         let inner = &*self.inner;
-        let mut tx = inner.pool.begin().await?;
-        // The claim's cost estimate grows with the backlog (each pending row costs its per-key
-        // probes), so past a few million pending rows Postgres JIT-compiles it: 268 ms of
-        // compiling for 4 ms of work per batch at 3M pending (bench P7). It never pays here.
-        sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
+        let mut tx = transaction::begin(&inner.pool).await?;
         // Not a named prepared statement: after five runs Postgres may switch one to a generic
         // plan, and the claim's generic plan scanned the backlog (18 s per batch at 10M
         // pending, bench P7); an unnamed statement is planned with its parameter every time.
@@ -209,7 +212,8 @@ impl Relay {
             return Ok(BatchReport::default());
         }
         let outcomes = if publish {
-            publish::publish(&inner.producer, &rows, expired).await
+            let sent = publish::publish(&inner.producer, &rows, expired);
+            transaction::keep_alive(&mut tx, sent).await?
         } else {
             rows.iter().map(|_| Outcome::Delivered).collect()
         };

@@ -1,0 +1,56 @@
+//! The batch's transaction, which stays open from the claim, across the wait for Kafka, to
+//! the mark. Its timeouts are the relay's own, whatever the server, database or role sets:
+//! managed Postgres often sets `idle_in_transaction_session_timeout`, and a value below the
+//! Kafka wait ended the transaction after Kafka had acknowledged the rows, so they were never
+//! marked and every batch published them again; a low `statement_timeout` cancelled the claim
+//! whenever it waited for a lock, so nothing was published.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+
+/// Set at the start of every batch, for its transaction only.
+///
+/// JIT off: the claim's cost estimate grows with the backlog, so past a few million pending
+/// rows Postgres JIT-compiled it: 268 ms of compiling for 4 ms of work per batch at 3M
+/// pending (bench P7). It never pays here.
+///
+/// A statement may wait that long (for a lock a migration holds, say) before it fails.
+///
+/// A transaction idle that long ends: the bound of a relay that stopped (a stalled process
+/// keeps its connection, and the locks on its claimed rows, which hold their keys back from
+/// every other relay). A waiting relay is never idle that long: it touches the transaction
+/// every [`KEEPALIVE`], however long Kafka takes.
+const SETTINGS: &str = "SET LOCAL jit = off; \
+                        SET LOCAL statement_timeout = '5min'; \
+                        SET LOCAL idle_in_transaction_session_timeout = '30s'";
+
+/// How often a batch waiting for Kafka runs a statement in its transaction; well below the
+/// idle bound in [`SETTINGS`].
+const KEEPALIVE: Duration = Duration::from_secs(2);
+
+/// Begins a batch's transaction, with the relay's own settings.
+pub(super) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // One round trip for all three (the simple-query protocol takes several statements).
+    sqlx::raw_sql(SETTINGS).execute(&mut *tx).await?;
+    Ok(tx)
+}
+
+/// Awaits `wait` (the Kafka wait), touching `conn`'s transaction every [`KEEPALIVE`] so it
+/// is never idle for long, however long the wait.
+pub(super) async fn keep_alive<T>(
+    conn: &mut PgConnection,
+    wait: impl Future<Output = T>,
+) -> Result<T, sqlx::Error> {
+    let mut wait = std::pin::pin!(wait);
+    loop {
+        tokio::select! {
+            done = &mut wait => return Ok(done),
+            () = tokio::time::sleep(KEEPALIVE) => {
+                sqlx::query("SELECT 1").execute(&mut *conn).await?;
+            }
+        }
+    }
+}

@@ -110,9 +110,9 @@ ensure_postgres() {
 resolve_jars() {
   local name="$1" pom="$ROOT/services/$1/pom.xml" out="$SERVICES_DIR/$1.classpath"
   if [ -s "$out" ] && [ "$out" -nt "$pom" ] && jars_present "$out"; then return 0; fi
-  if ! command -v mvn >/dev/null 2>&1 || ! command -v java >/dev/null 2>&1; then
-    log "installing OpenJDK 17 and Maven from Debian's packages"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless maven >/dev/null
+  if ! command -v mvn >/dev/null 2>&1 || ! command -v java >/dev/null 2>&1 || ! command -v javac >/dev/null 2>&1; then
+    log "installing OpenJDK 17 (with javac: the tests run Java source files) and Maven from Debian's packages"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jdk-headless maven >/dev/null
   fi
   log "resolving the $name jars from Maven Central ($pom)"
   mvn -B -q -Dstyle.color=never -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out.tmp"

@@ -15,8 +15,16 @@
 //! handled (under the id of its real `id` header only) or quarantined, and its stored names
 //! may stop at the NUL; a name like `id\0x` never counts as `id`.
 //!
-//! `OUTBOX_FUZZ_CASES` (default 100) and `OUTBOX_FUZZ_BROKER_CASES` (default 6) set the case
-//! counts; `scripts/fuzz` runs many more. A failure prints proptest's minimal input.
+//! However many ids of whatever dates arrive, the dedup table gets no slice per day named
+//! outside the TTL window (one bucket at most).
+//!
+//! The handler side is fuzzed too: handlers that fail their first runs by returning an error,
+//! rejecting, panicking inside or before their future, or ignoring a failed statement; each
+//! event is handled once or quarantined after its attempts, and costs no other event.
+//!
+//! `OUTBOX_FUZZ_CASES` (default 100; half as many handler cases) and
+//! `OUTBOX_FUZZ_BROKER_CASES` (default 6) set the case counts; `scripts/fuzz` runs many more.
+//! A failure prints proptest's minimal input.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -594,13 +602,14 @@ fn agree(outcomes: &[Outcome], seen: &Seen) -> Result<()> {
 
 /// Feeds `messages` to `consumer`, in one batch or one at a time; a call that does not return
 /// within [`STALL`], or returns `Err` with the database up, fails.
-async fn drive<H>(
-    consumer: &DedupConsumer<Value, H>,
+async fn drive<P, H>(
+    consumer: &DedupConsumer<P, H>,
     messages: &[OwnedMessage],
     batch: bool,
 ) -> Result<Vec<Outcome>>
 where
-    H: outbox_consumer::Handler<Value>,
+    P: serde::de::DeserializeOwned + Send + Sync + 'static,
+    H: outbox_consumer::Handler<P>,
 {
     let shutdown = CancellationToken::new();
     let mut outcomes = Vec::new();
@@ -915,4 +924,188 @@ fn records_of_any_bytes_from_the_broker_are_handled_once_or_quarantined_whole() 
         strategy,
         |run, case| broker_case(run, case.records),
     )
+}
+
+/// What a fuzzed handler does with an event: fail its first `fails` runs in the way `mode`
+/// says, then succeed.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Plan {
+    mode: Mode,
+    fails: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+enum Mode {
+    /// Returns `HandlerError::Retry`.
+    Retry,
+    /// Returns `HandlerError::Quarantine`: the event is quarantined at its first failure.
+    Reject,
+    /// Panics inside its future.
+    Panic,
+    /// Panics before returning its future.
+    PanicBeforeFuture,
+    /// Ignores a failed statement (`let _ = ...`) and returns `Ok`: its transaction is aborted.
+    Swallow,
+}
+
+const HANDLER_ATTEMPTS: u32 = 3;
+
+impl Plan {
+    /// Whether the event ends up handled (else quarantined): every failed run counts as one
+    /// of its attempts, whatever the way it failed.
+    fn handled(self) -> bool {
+        self.fails == 0 || (self.mode != Mode::Reject && self.fails < HANDLER_ATTEMPTS)
+    }
+}
+
+fn plan() -> impl Strategy<Value = Plan> {
+    let mode = prop_oneof![
+        Just(Mode::Retry),
+        Just(Mode::Reject),
+        Just(Mode::Panic),
+        Just(Mode::PanicBeforeFuture),
+        Just(Mode::Swallow),
+    ];
+    // Most events are handled at once: a failing one must cost none of them.
+    let fails = prop_oneof![3 => Just(0), 2 => 0..=HANDLER_ATTEMPTS + 1];
+    (mode, fails).prop_map(|(mode, fails)| Plan { mode, fails })
+}
+
+/// A handler written as a user may write one, failing as its event's plan says. The trait's
+/// `handle` is a plain function returning a future, so it can panic before returning it.
+#[derive(Debug, Default)]
+struct Fuzzed {
+    /// Runs so far, by event id.
+    runs: Mutex<HashMap<Uuid, u32>>,
+}
+
+impl outbox_consumer::Handler<Plan> for Fuzzed {
+    fn handle(
+        &self,
+        event: &Event<Plan>,
+        conn: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), outbox_consumer::HandlerError>> + Send {
+        let run = {
+            let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+            let n = runs.entry(*event.id.as_uuid()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let plan = event.payload;
+        let failing = run <= plan.fails;
+        if failing && plan.mode == Mode::PanicBeforeFuture {
+            panic!("the handler panics before returning its future, run {run}");
+        }
+        async move {
+            sqlx::query(
+                "INSERT INTO fuzz_handler_effects (topic, event_id, run) VALUES ($1, $2, $3)",
+            )
+            .bind(&event.topic)
+            .bind(event.id.as_uuid())
+            .bind(i32::try_from(run).unwrap_or(i32::MAX))
+            .execute(&mut *conn)
+            .await?;
+            if !failing {
+                return Ok(());
+            }
+            match plan.mode {
+                Mode::Retry | Mode::PanicBeforeFuture => Err(outbox_consumer::HandlerError::retry(
+                    format!("fails run {run}"),
+                )),
+                Mode::Reject => Err(outbox_consumer::HandlerError::quarantine("rejects")),
+                Mode::Panic => panic!("the handler panics in its future, run {run}"),
+                Mode::Swallow => {
+                    let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct HandlerCase {
+    plans: Vec<Plan>,
+    batch: bool,
+}
+
+async fn handler_case(run: Arc<Run>, case: HandlerCase) -> Result<()> {
+    let db = &run.db;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS fuzz_handler_effects (topic TEXT, event_id UUID, run INT)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (topic, name) = (unique("fuzz"), unique("c"));
+    let mut plans = case.plans;
+    plans.push(Plan {
+        mode: Mode::Retry,
+        fails: 0,
+    });
+    let ids: Vec<Uuid> = plans.iter().map(|_| Uuid::now_v7()).collect();
+    let messages: Vec<OwnedMessage> = (0..)
+        .zip(plans.iter().zip(&ids))
+        .map(|(offset, (plan, id))| {
+            let rec = Rec {
+                key: Some(b"k".to_vec()),
+                headers: vec![("id".to_owned(), Some(id.to_string().into_bytes()))],
+                payload: Some(serde_json::to_vec(plan).expect("a plan serialises")),
+            };
+            message(&topic, offset, &rec)
+        })
+        .collect();
+    let handler = Fuzzed::default();
+    let config = ConsumerConfig::new(&name)
+        .max_attempts(HANDLER_ATTEMPTS)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5));
+    let consumer = DedupConsumer::new(db.pool.clone(), config, handler)?;
+    // A panic that escapes the consumer fails the case (proptest catches it).
+    let outcomes = drive(&consumer, &messages, case.batch).await?;
+    let effects: Vec<(Uuid, i32)> =
+        sqlx::query_as("SELECT event_id, run FROM fuzz_handler_effects WHERE topic = $1")
+            .bind(&topic)
+            .fetch_all(&db.pool)
+            .await?;
+    let quarantined: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT \"offset\", reason FROM outbox_consumer_quarantine WHERE consumer = $1 AND topic = $2",
+    )
+    .bind(&name)
+    .bind(&topic)
+    .fetch_all(&db.pool)
+    .await?;
+    for (i, ((plan, id), outcome)) in plans.iter().zip(&ids).zip(&outcomes).enumerate() {
+        let offset = i64::try_from(i)?;
+        let committed: Vec<i32> = effects
+            .iter()
+            .filter(|(e, _)| e == id)
+            .map(|(_, run)| *run)
+            .collect();
+        let reason = quarantined
+            .iter()
+            .find(|(o, _)| *o == offset)
+            .map(|(_, r)| r);
+        if plan.handled() {
+            ensure!(
+                committed.len() == 1 && reason.is_none() && *outcome == Outcome::Processed,
+                "offset {offset} ({plan:?}) should be handled once: outcome {outcome:?}, \
+                 effects committed by runs {committed:?}, quarantined {reason:?}"
+            );
+        } else {
+            ensure!(
+                committed.is_empty()
+                    && reason.is_some()
+                    && matches!(outcome, Outcome::Quarantined(_)),
+                "offset {offset} ({plan:?}) should be quarantined with no effect: outcome \
+                 {outcome:?}, effects committed by runs {committed:?}, quarantined {reason:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn handlers_that_fail_in_any_way_cost_no_other_event_and_double_none() -> Result<()> {
+    let strategy = (proptest::collection::vec(plan(), 0..8), any::<bool>())
+        .prop_map(|(plans, batch)| HandlerCase { plans, batch });
+    fuzz(cases("OUTBOX_FUZZ_CASES", 100) / 2, strategy, handler_case)
 }

@@ -8,7 +8,9 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use outbox_producer::{BatchReport, NewEvent, QuarantinePolicy, Relay, RelayConfig, producer_config};
+use outbox_producer::{
+    BatchReport, NewEvent, QuarantinePolicy, Relay, RelayConfig, producer_config,
+};
 use outbox_tests::{TestDb, count_status, kafka_bootstrap, read_all, unique};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -158,13 +160,71 @@ async fn a_healthy_keys_rows_stay_in_order_when_a_request_they_shared_is_rejecte
             [1, 2, 3, 4, 5, 6, 7, 8],
             "batch.num.messages={per_request}: {reports:?}"
         );
-        assert_eq!(count_status(&db.pool, "quarantined").await?, 1, "{reports:?}");
+        assert_eq!(
+            count_status(&db.pool, "quarantined").await?,
+            1,
+            "{reports:?}"
+        );
         let charged: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM outbox_events WHERE aggregateid = 'k' AND attempts <> 1",
         )
         .fetch_one(&db.pool)
         .await?;
-        assert_eq!(charged, 0, "k's rows are charged nothing for j's size: {reports:?}");
+        assert_eq!(
+            charged, 0,
+            "k's rows are charged nothing for j's size: {reports:?}"
+        );
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_row_under_block_key_holds_its_aggregate_not_another_type_with_its_id()
+-> Result<()> {
+    let db = TestDb::new().await?;
+    let invoices = outbox_tests::random_topic(1).await?;
+    let customers = outbox_tests::random_topic(1).await?;
+    let poison = NewEvent::new("invoice", "42", "InvoiceIssued", &json!({ "n": 0 }))?
+        .with_topic(&invoices)?;
+    enqueue(
+        &db,
+        &[
+            poison.clone(),
+            NewEvent::new("invoice", "42", "InvoicePaid", &json!({ "n": 1 }))?
+                .with_topic(&invoices)?,
+            NewEvent::new("customer", "42", "CustomerMoved", &json!({ "n": 1 }))?
+                .with_topic(&customers)?,
+        ],
+    )
+    .await?;
+    // Headers that are not a JSON object: the row's own permanent failure.
+    sqlx::query("UPDATE outbox_events SET headers = '[1]' WHERE id = $1")
+        .bind(poison.id())
+        .execute(&db.pool)
+        .await?;
+    let relay = Relay::new(
+        db.pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default().quarantine_policy(QuarantinePolicy::BlockKey),
+    )?;
+    let reports = drain(&relay).await?;
+    let statuses: Vec<(String, String)> =
+        sqlx::query_as("SELECT aggregatetype, status FROM outbox_events ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await?;
+    let statuses: Vec<(&str, &str)> = statuses
+        .iter()
+        .map(|(t, s)| (t.as_str(), s.as_str()))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            ("invoice", "quarantined"),
+            ("invoice", "pending"),
+            ("customer", "published"),
+        ],
+        "{reports:?}"
+    );
+    assert_eq!(sequence_of(&customers, "42").await?, [1]);
     Ok(())
 }

@@ -45,6 +45,7 @@ mod row;
 mod run_loop;
 mod stats_export;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +56,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{AfterPublish, QuarantinePolicy, RelayConfig};
+use kafka::TopicAnswer;
 pub use kafka::producer_config;
 
 use crate::ProducerError;
@@ -83,6 +85,10 @@ pub struct BatchReport {
     /// Rows left pending exactly as they were (no attempt charged): no broker answered for
     /// them, or shutdown's grace period ended before their delivery report.
     pub unconfirmed: usize,
+    /// Rows whose partition could not take writes while the cluster answered (no leader,
+    /// too few in-sync replicas): left pending with no attempt charged, tried again after a
+    /// pause.
+    pub waiting: usize,
     /// No broker answered: the batch's failures were the relay's, not its rows'.
     pub broker_unreachable: bool,
 }
@@ -225,19 +231,14 @@ impl Relay {
                 "crash after ack, before marking",
             ));
         }
-        let broker_answers = match no_answer_topic(&rows, &outcomes) {
-            Some(topic) => {
-                kafka::broker_answers(&inner.producer, Some(topic), BROKER_CHECK_TIMEOUT).await
-            }
-            None => true,
-        };
+        let answers = ask_about_unanswered(&inner.producer, &rows, &outcomes).await;
         let report = record::record(
             &mut tx,
             &inner.config,
             &inner.sql,
             &rows,
             outcomes,
-            broker_answers,
+            &answers,
         )
         .await?;
         tx.commit().await?;
@@ -248,18 +249,35 @@ impl Relay {
             quarantined = report.quarantined,
             deferred = report.deferred,
             unconfirmed = report.unconfirmed,
+            waiting = report.waiting,
             "relay batch"
         );
         Ok(report)
     }
 }
 
-/// The topic of the first row that failed with no broker's answer, if any.
-fn no_answer_topic(rows: &[OutboxRow], outcomes: &[Outcome]) -> Option<String> {
-    rows.iter()
-        .zip(outcomes)
-        .find_map(|(row, outcome)| match outcome {
-            Outcome::Failed(e) if classify(e) == FailureKind::NoAnswer => Some(row.topic.clone()),
-            _ => None,
-        })
+/// What the cluster says about each topic with a record that went unanswered. Once no broker
+/// answers, the remaining topics are not asked: the cluster is unreachable.
+async fn ask_about_unanswered(
+    producer: &FutureProducer,
+    rows: &[OutboxRow],
+    outcomes: &[Outcome],
+) -> HashMap<String, TopicAnswer> {
+    let mut answers = HashMap::new();
+    let mut reachable = true;
+    for (row, outcome) in rows.iter().zip(outcomes) {
+        let unanswered =
+            matches!(outcome, Outcome::Failed(e) if classify(e) == FailureKind::NoAnswer);
+        if !unanswered || answers.contains_key(&row.topic) {
+            continue;
+        }
+        let answer = if reachable {
+            kafka::topic_answer(producer, row.topic.clone(), BROKER_CHECK_TIMEOUT).await
+        } else {
+            TopicAnswer::NoAnswer
+        };
+        reachable = answer != TopicAnswer::NoAnswer;
+        answers.insert(row.topic.clone(), answer);
+    }
+    answers
 }

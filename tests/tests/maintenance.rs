@@ -99,7 +99,7 @@ async fn migration_0005_accepts_its_index_built_concurrently_beforehand() -> Res
     migrate_after(
         &db,
         &[
-            "DROP INDEX outbox_events_holding_idx",
+            "DROP INDEX IF EXISTS outbox_events_holding_idx",
             "DELETE FROM outbox_events_migrations WHERE version = 5",
             "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
                WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",

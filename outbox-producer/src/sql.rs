@@ -114,9 +114,13 @@ impl RelaySql {
                 "(h.status <> 'published' AND h.status <> 'quarantined' \
                   AND (h.attempts > 0 OR h.last_error IS NOT NULL) AND h.next_attempt_at > now())"
             }
+            // Quarantined, or waiting (failed before, its time not come), written as a
+            // conjunction: Postgres proved the index's predicate from it, not from the nested
+            // `quarantined OR (failed AND waiting)`, and probed the unpublished-key index.
             QuarantinePolicy::BlockKey => {
-                "(h.status <> 'published' AND (h.status = 'quarantined' \
-                  OR ((h.attempts > 0 OR h.last_error IS NOT NULL) AND h.next_attempt_at > now())))"
+                "(h.status <> 'published' \
+                  AND (h.status = 'quarantined' OR h.attempts > 0 OR h.last_error IS NOT NULL) \
+                  AND (h.status = 'quarantined' OR h.next_attempt_at > now()))"
             }
         };
         Self {

@@ -6,6 +6,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::Producer;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::grace::Grace;
 use super::kafka::broker_answers;
@@ -120,7 +121,7 @@ impl Relay {
     async fn bounded_batch(&self, grace: &Grace) -> Option<Result<BatchReport, ProducerError>> {
         let mut batch = tokio::spawn({
             let (relay, expired) = (self.clone(), grace.expired.clone());
-            async move { relay.run_batch(true, &expired).await }
+            async move { relay.run_batch(true, &expired).await }.in_current_span()
         });
         let deadline = async {
             grace.expired.cancelled().await;

@@ -211,3 +211,39 @@ async fn not_enough_replicas_is_waited_out_and_charges_no_row() -> Result<()> {
     );
     Ok(())
 }
+
+/// A row waiting out its partition's outage has no attempt charged, yet it must hold its
+/// aggregate's later rows back before the claim's LIMIT: otherwise they fill every batch
+/// (each dropped after the LIMIT, behind their waiting head) and the other partitions starve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_waiting_out_an_outage_does_not_starve_the_keys_behind_it() -> Result<()> {
+    const BATCH: u32 = 20;
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topic = unique("starve");
+    mock.create_topic(&topic, 2, 1)?;
+    let (up, down) = (key_on(0), key_on(1));
+    let mut kafka = producer_config(&mock.bootstrap_servers());
+    kafka.set("message.timeout.ms", "1000");
+    let relay = Relay::new(
+        db.pool.clone(),
+        &kafka,
+        RelayConfig::default()
+            .batch_size(BATCH)
+            .backoff(Duration::from_millis(100), Duration::from_secs(30)),
+    )?;
+    mock.partition_leader(&topic, 1, None)?;
+    enqueue(&db, &events(&topic, &down, 1 + 3 * BATCH as usize)?).await?;
+    enqueue(&db, &events(&topic, &up, 5)?).await?;
+
+    let first = relay.run_once().await?;
+    assert_eq!(first.waiting, 1, "{first:?}");
+    let second = relay.run_once().await?;
+    assert_eq!(
+        (second.claimed, second.published),
+        (5, 5),
+        "the other partition's key flows past the waiting one: {second:?}"
+    );
+    assert_eq!(attempts(&db).await?, 5);
+    Ok(())
+}

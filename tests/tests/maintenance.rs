@@ -99,7 +99,7 @@ async fn migration_0005_accepts_its_index_built_concurrently_beforehand() -> Res
     migrate_after(
         &db,
         &[
-            "DROP INDEX outbox_events_holding_idx",
+            "DROP INDEX IF EXISTS outbox_events_holding_idx",
             "DELETE FROM outbox_events_migrations WHERE version = 5",
             "CREATE INDEX CONCURRENTLY outbox_events_held_idx ON outbox_events (aggregateid, seq) \
                WHERE status = 'quarantined' OR (status = 'pending' AND attempts > 0)",
@@ -115,6 +115,34 @@ async fn migration_0005_accepts_its_index_built_concurrently_beforehand() -> Res
     .fetch_all(&db.pool)
     .await?;
     assert_eq!(indexes, ["outbox_events_holding_idx"]);
+    Ok(())
+}
+
+/// Migration 0009 the same way: its index (rows holding an aggregate back, keyed by type and
+/// id) built concurrently beforehand, the migration only drops 0005's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_0009_accepts_its_index_built_concurrently_beforehand() -> Result<()> {
+    let db = TestDb::new().await?;
+    migrate_after(
+        &db,
+        &[
+            "DROP INDEX outbox_events_aggregate_holding_idx",
+            "DELETE FROM outbox_events_migrations WHERE version = 9",
+            "CREATE INDEX CONCURRENTLY outbox_events_holding_idx ON outbox_events (aggregateid, seq) \
+               WHERE status <> 'published' AND (status = 'quarantined' OR attempts > 0)",
+            "CREATE INDEX CONCURRENTLY outbox_events_aggregate_holding_idx \
+               ON outbox_events (aggregateid, aggregatetype, seq) WHERE status <> 'published' \
+               AND (status = 'quarantined' OR attempts > 0 OR last_error IS NOT NULL)",
+        ],
+    )
+    .await?;
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = current_schema() \
+           AND indexname LIKE 'outbox_events_%holding_idx'",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(indexes, ["outbox_events_aggregate_holding_idx"]);
     Ok(())
 }
 

@@ -753,7 +753,11 @@ async fn the_claims_probe_for_held_keys_stays_on_its_index_after_a_quiet_spell()
             .await?;
         let claim = statements.containing("claimed AS")?;
         let probed = indexes_scanned_for(&db, &claim, 500, "h").await?;
-        assert_eq!(probed, ["outbox_events_holding_idx"], "{policy:?}");
+        assert_eq!(
+            probed,
+            ["outbox_events_aggregate_holding_idx"],
+            "{policy:?}"
+        );
     }
     Ok(())
 }

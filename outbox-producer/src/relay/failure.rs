@@ -11,11 +11,16 @@ pub(crate) enum FailureKind {
     /// not authorized, malformed headers). Quarantined at once.
     Permanent,
     /// The row's own, for now: the broker answered and refused this record (topic not there
-    /// yet, not enough replicas). Charged an attempt and retried after a backoff.
+    /// yet). Charged an attempt and retried after a backoff.
     Transient,
+    /// The record's partition cannot take writes now (no leader, the leader unreachable,
+    /// fewer in-sync replicas than `min.insync.replicas`): an outage of that partition, not
+    /// the row's failure. The row is charged nothing and waits; other partitions flow.
+    Outage,
     /// No broker answered for this record (timed out, connection down, client queue full):
-    /// the relay's failure, not the row's, unless a broker still answers a metadata request
-    /// (then the record's partition is at fault, and the failure counts as [`Self::Transient`]).
+    /// the relay's failure, not the row's. When a broker still answers a metadata request,
+    /// the record's partition is out ([`Self::Outage`]), or its topic does not exist (then
+    /// the row names a topic that is not there: [`Self::Transient`]).
     NoAnswer,
 }
 
@@ -46,8 +51,33 @@ pub(crate) fn classify(error: &KafkaError) -> FailureKind {
         | C::PurgeInflight
         | C::RequestTimedOut
         | C::NetworkException => FailureKind::NoAnswer,
+        C::NotEnoughReplicas
+        | C::NotEnoughReplicasAfterAppend
+        | C::LeaderNotAvailable
+        | C::NotLeaderForPartition
+        | C::BrokerNotAvailable
+        | C::ReplicaNotAvailable
+        | C::KafkaStorageError
+        | C::FencedLeaderEpoch
+        | C::UnknownLeaderEpoch => FailureKind::Outage,
         _ => FailureKind::Transient,
     }
+}
+
+/// Longest pause before a row whose partition was out is tried again. Each try costs the
+/// batch up to `message.timeout.ms` of waiting, so this also bounds how much of the relay's
+/// time one partition's outage takes from the others.
+const OUTAGE_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// Delay before a row whose partition was out is tried again: `backoff_max`, at most
+/// [`OUTAGE_WAIT_MAX`], with jitter. It does not grow with the outage: the partition may
+/// come back at any time, and the row must follow soon after.
+pub(crate) fn outage_wait(config: &RelayConfig) -> Duration {
+    outbox_core::backoff(
+        config.backoff_max.min(OUTAGE_WAIT_MAX),
+        config.backoff_max.min(OUTAGE_WAIT_MAX),
+        0,
+    )
 }
 
 /// Delay before retry number `attempts + 1` (see [`outbox_core::backoff`]).
@@ -81,7 +111,11 @@ mod tests {
         assert_eq!(classify(&KafkaError::Canceled), FailureKind::NoAnswer);
         assert_eq!(
             classify(&e(RDKafkaErrorCode::NotEnoughReplicas)),
-            FailureKind::Transient
+            FailureKind::Outage
+        );
+        assert_eq!(
+            classify(&e(RDKafkaErrorCode::LeaderNotAvailable)),
+            FailureKind::Outage
         );
     }
 

@@ -53,3 +53,41 @@ pub(crate) async fn broker_answers(
     .await
     .unwrap_or(false)
 }
+
+/// What a metadata request said about a topic whose record went unanswered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TopicAnswer {
+    /// No broker answered: the cluster is unreachable.
+    NoAnswer,
+    /// A broker answered and the topic is not there: the row names a missing topic.
+    Missing,
+    /// A broker answered and knows the topic: one of its partitions cannot take writes.
+    Known,
+}
+
+/// Asks the cluster about `topic` within `timeout`, off the async runtime.
+pub(crate) async fn topic_answer(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: String,
+    timeout: std::time::Duration,
+) -> TopicAnswer {
+    use rdkafka::error::RDKafkaErrorCode;
+    use rdkafka::producer::Producer;
+    let producer = producer.clone();
+    tokio::task::spawn_blocking(move || {
+        let Ok(metadata) = producer.client().fetch_metadata(Some(&topic), timeout) else {
+            return TopicAnswer::NoAnswer;
+        };
+        match metadata.topics().iter().find(|t| t.name() == topic) {
+            None => TopicAnswer::Missing,
+            Some(t) => match t.error().map(RDKafkaErrorCode::from) {
+                Some(
+                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic,
+                ) => TopicAnswer::Missing,
+                _ => TopicAnswer::Known,
+            },
+        }
+    })
+    .await
+    .unwrap_or(TopicAnswer::NoAnswer)
+}

@@ -1,14 +1,17 @@
 //! The relay: moves committed outbox rows to Kafka, at least once, in order per key.
 //!
 //! # How a batch runs
+//! An aggregate is (`aggregatetype`, `aggregateid`): `invoice/42` and `customer/42` are two.
+//!
 //! 1. In one transaction, lock up to `batch_size` due pending rows (`FOR UPDATE SKIP LOCKED`)
-//!    among those no earlier row of their aggregate holds back (a row waiting for its retry,
-//!    or under [`QuarantinePolicy::BlockKey`] a quarantined one), so however many rows one
+//!    among those no earlier row of their aggregate holds back (a row waiting for its retry
+//!    or for its partition to take writes again, or under [`QuarantinePolicy::BlockKey`] a quarantined one), so however many rows one
 //!    key holds back, the batch fills with other keys' rows. Of those, keep the rows with no
 //!    earlier unpublished row of the same aggregate outside the batch.
-//! 2. Send them with an idempotent producer (`enable.idempotence=true`, `acks=all`), in
-//!    sequence order, and wait for every delivery report. A key's row for another topic
-//!    leaves only after its earlier rows of the batch were acknowledged.
+//! 2. Send them with an idempotent producer (`enable.idempotence=true`, `acks=all`): each
+//!    aggregate's rows in sequence order, one at a time (a row leaves the client only once the
+//!    previous row of its aggregate was acknowledged), aggregates side by side; wait for every
+//!    delivery report.
 //! 3. Only then mark the acknowledged rows published (or delete them) and record failures,
 //!    and commit. A crash anywhere before the commit leaves the rows pending and unlocked:
 //!    they are published again (same event id), never lost.
@@ -23,20 +26,25 @@
 //! A row is published only when every earlier row of its aggregate is published. Rows
 //! another relay has locked count as unpublished until that relay commits, so two relays
 //! never publish one aggregate's rows concurrently, and a row waiting for its retry holds its
-//! later rows back. Within a batch, one aggregate's rows go to one partition in sequence
-//! order, and the idempotent producer keeps that order across its own retries. If a row
-//! fails (before it leaves the client, or in its delivery report), the later rows of its
-//! aggregate for other topics in that batch are not sent.
+//! later rows back. Within a batch, an aggregate has one row in flight at a time: if it fails
+//! (before it leaves the client, or in its delivery report), the aggregate's later rows in the
+//! batch are not sent. Sending them together would leave their order to librdkafka, which is
+//! not gap-less by default: when one produce request of a partition fails for good, it
+//! delivers the later requests after an epoch bump, so rows split over requests (any
+//! `batch.num.messages`, `batch.size` or linger) could pass a failed or quarantined row.
 //!
 //! # Failures: the row's, or the relay's
 //! A row is charged an attempt only for its own failure. Permanent ones (too large, invalid
 //! topic, not authorized, `headers` not a JSON object of strings or naming a contract header)
-//! quarantine it at once with the reason. Transient ones (a broker answered and refused it:
-//! topic missing, not enough replicas; or its delivery timed out while a broker still answers)
-//! retry with exponential backoff and jitter, and quarantine after `max_attempts`. Other
+//! quarantine it at once with the reason. Transient ones (a broker refused it for another
+//! reason, such as a topic that does not exist) retry with exponential backoff and jitter, and quarantine after `max_attempts`. Other
 //! aggregates keep flowing either way; [`QuarantinePolicy`] says whether the same aggregate
-//! does. When no broker answers at all, the failure is the relay's: the rows stay exactly as
-//! they were (no attempt charged) and [`Relay::run`] waits for the cluster.
+//! does. A partition that cannot take writes while the cluster answers (no leader, fewer
+//! in-sync replicas than `min.insync.replicas`, a delivery that timed out on a topic the
+//! cluster knows) is an outage of that partition: its rows are charged nothing, wait
+//! (`backoff_max`, at most 30 s) holding their aggregates, and other partitions flow, however
+//! long it lasts. When no broker answers at all, the failure is the relay's: the rows stay
+//! exactly as they were (no attempt charged) and [`Relay::run`] waits for the cluster.
 //! A fatal producer error (an idempotent producer that lost its sequence state) is not a
 //! row's failure: the batch is left pending as it was and the relay stops with
 //! [`ProducerError::FatalProducer`], to be restarted with a new producer.
@@ -52,6 +60,7 @@ mod run_loop;
 mod stats_export;
 mod transaction;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,6 +71,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{AfterPublish, QuarantinePolicy, RelayConfig};
+use kafka::TopicAnswer;
 pub use kafka::producer_config;
 
 use crate::ProducerError;
@@ -90,6 +100,10 @@ pub struct BatchReport {
     /// Rows left pending exactly as they were (no attempt charged): no broker answered for
     /// them, or shutdown's grace period ended before their delivery report.
     pub unconfirmed: usize,
+    /// Rows whose partition could not take writes while the cluster answered (no leader,
+    /// too few in-sync replicas): left pending with no attempt charged, tried again after a
+    /// pause.
+    pub waiting: usize,
     /// No broker answered: the batch's failures were the relay's, not its rows'.
     pub broker_unreachable: bool,
 }
@@ -229,19 +243,14 @@ impl Relay {
                 "crash after ack, before marking",
             ));
         }
-        let broker_answers = match no_answer_topic(&rows, &outcomes) {
-            Some(topic) => {
-                kafka::broker_answers(&inner.producer, Some(topic), BROKER_CHECK_TIMEOUT).await
-            }
-            None => true,
-        };
+        let answers = ask_about_unanswered(&inner.producer, &rows, &outcomes).await;
         let report = record::record(
             &mut tx,
             &inner.config,
             &inner.sql,
             &rows,
             outcomes,
-            broker_answers,
+            &answers,
         )
         .await?;
         tx.commit().await?;
@@ -252,18 +261,35 @@ impl Relay {
             quarantined = report.quarantined,
             deferred = report.deferred,
             unconfirmed = report.unconfirmed,
+            waiting = report.waiting,
             "relay batch"
         );
         Ok(report)
     }
 }
 
-/// The topic of the first row that failed with no broker's answer, if any.
-fn no_answer_topic(rows: &[OutboxRow], outcomes: &[Outcome]) -> Option<String> {
-    rows.iter()
-        .zip(outcomes)
-        .find_map(|(row, outcome)| match outcome {
-            Outcome::Failed(e) if classify(e) == FailureKind::NoAnswer => Some(row.topic.clone()),
-            _ => None,
-        })
+/// What the cluster says about each topic with a record that went unanswered. Once no broker
+/// answers, the remaining topics are not asked: the cluster is unreachable.
+async fn ask_about_unanswered(
+    producer: &FutureProducer,
+    rows: &[OutboxRow],
+    outcomes: &[Outcome],
+) -> HashMap<String, TopicAnswer> {
+    let mut answers = HashMap::new();
+    let mut reachable = true;
+    for (row, outcome) in rows.iter().zip(outcomes) {
+        let unanswered =
+            matches!(outcome, Outcome::Failed(e) if classify(e) == FailureKind::NoAnswer);
+        if !unanswered || answers.contains_key(&row.topic) {
+            continue;
+        }
+        let answer = if reachable {
+            kafka::topic_answer(producer, row.topic.clone(), BROKER_CHECK_TIMEOUT).await
+        } else {
+            TopicAnswer::NoAnswer
+        };
+        reachable = answer != TopicAnswer::NoAnswer;
+        answers.insert(row.topic.clone(), answer);
+    }
+    answers
 }

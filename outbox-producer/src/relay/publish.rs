@@ -1,10 +1,17 @@
-//! Sending a claimed batch. A key's rows go out in waves: a row leaves the client only once
-//! its key's earlier rows of the batch on other topics were acknowledged, so a delivery
-//! report that fails one row can still hold back the key's later rows. Rows of one key on one
-//! topic go out together: they share a partition, where the idempotent producer keeps them
-//! in order.
+//! Sending a claimed batch. Each aggregate's rows form a chain: a row leaves the client only
+//! once the previous row of its aggregate in the batch was acknowledged, and a row that is not
+//! acknowledged stops its chain. Chains of different aggregates run side by side.
+//!
+//! Why not send a key's rows together and trust the idempotent producer's order? librdkafka
+//! splits them over several produce requests when they do not fit one (`batch.num.messages`,
+//! `batch.size`, a linger that ended); when one request fails for good (a record over the
+//! topic's `max.message.bytes`), it bumps its epoch and delivers the later requests anyway
+//! (it is not gap-less by default), and a delivery timeout is not covered even when it is. A
+//! key's later rows would then reach the wire ahead of (or, under `BlockKey`, past) an earlier
+//! row that failed. With one row per aggregate in flight, no configuration and no broker answer
+//! can do that.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use futures::future::join_all;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -21,27 +28,25 @@ pub(crate) enum Outcome {
     Failed(KafkaError),
     /// It cannot become a record under the wire contract.
     Defective(RowDefect),
-    /// Not sent: an earlier row of its key in this batch was not delivered.
+    /// Not sent: an earlier row of its aggregate in this batch was not delivered.
     Deferred,
     /// Shutdown's grace period ended before its delivery report came.
     Unconfirmed,
 }
 
-/// The wave of each row: 0 for a key's first row in the batch, one more than the previous
-/// row of its key when that one goes to another topic, the same wave otherwise.
-fn waves(rows: &[OutboxRow]) -> Vec<usize> {
-    let mut last: HashMap<&str, (usize, &str)> = HashMap::new();
-    rows.iter()
-        .map(|row| {
-            let wave = match last.get(row.aggregateid.as_str()) {
-                Some(&(wave, topic)) if topic == row.topic => wave,
-                Some(&(wave, _)) => wave + 1,
-                None => 0,
-            };
-            last.insert(&row.aggregateid, (wave, &row.topic));
-            wave
-        })
-        .collect()
+/// The batch's rows grouped by aggregate, each group in sequence order.
+fn chains(rows: &[OutboxRow]) -> Vec<Vec<usize>> {
+    let mut index: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut chains: Vec<Vec<usize>> = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let key = (row.aggregatetype.as_str(), row.aggregateid.as_str());
+        let n = *index.entry(key).or_insert_with(|| {
+            chains.push(Vec::new());
+            chains.len() - 1
+        });
+        chains[n].push(i);
+    }
+    chains
 }
 
 /// Hands `row` to the producer.
@@ -69,8 +74,8 @@ async fn await_report(delivery: DeliveryFuture, expired: &CancellationToken) -> 
     }
 }
 
-/// Sends `row` with nothing else in flight, so that it travels in a record batch of its own.
-async fn send_alone(
+/// Sends `row` and waits for its delivery report.
+async fn send_and_wait(
     producer: &FutureProducer,
     row: &OutboxRow,
     expired: &CancellationToken,
@@ -90,73 +95,73 @@ fn is_size_rejection(outcome: &Outcome) -> bool {
     )
 }
 
+/// Sends one aggregate's rows, each after the previous one was acknowledged; stops at the
+/// first that was not. Returns the outcome of each row it tried.
+async fn run_chain(
+    producer: &FutureProducer,
+    rows: &[OutboxRow],
+    chain: &[usize],
+    expired: &CancellationToken,
+) -> Vec<(usize, Outcome)> {
+    let mut outcomes = Vec::new();
+    for &i in chain {
+        if expired.is_cancelled() {
+            break;
+        }
+        let outcome = send_and_wait(producer, &rows[i], expired).await;
+        let delivered = matches!(outcome, Outcome::Delivered);
+        outcomes.push((i, outcome));
+        if !delivered {
+            break;
+        }
+    }
+    outcomes
+}
+
 /// Sends `rows` (in sequence order) and waits for their delivery reports, or until `expired`.
 pub(crate) async fn publish(
     producer: &FutureProducer,
     rows: &[OutboxRow],
     expired: &CancellationToken,
 ) -> Vec<Outcome> {
-    let waves = waves(rows);
     let mut outcomes: Vec<Option<Outcome>> = rows.iter().map(|_| None).collect();
-    let mut held: HashSet<&str> = HashSet::new();
-    for wave in 0..=waves.iter().copied().max().unwrap_or(0) {
-        let mut in_flight = Vec::new();
-        for (i, row) in rows.iter().enumerate().filter(|(i, _)| waves[*i] == wave) {
-            let key = row.aggregateid.as_str();
-            let outcome = if expired.is_cancelled() {
+    let chains = chains(rows);
+    let reports = join_all(
+        chains
+            .iter()
+            .map(|chain| run_chain(producer, rows, chain, expired)),
+    )
+    .await;
+    for (i, outcome) in reports.into_iter().flatten() {
+        outcomes[i] = Some(outcome);
+    }
+    // A broker rejects a whole record batch that is over its size limit: every row that
+    // shared it fails as if too large, whatever its key. With nothing else in flight now, each
+    // is sent again alone, so its own size decides and healthy rows are not quarantined with
+    // the oversized one. Each stopped its chain, so nothing of its aggregate went after it.
+    let mut rejected: Vec<usize> = (0..rows.len())
+        .filter(|&i| outcomes[i].as_ref().is_some_and(is_size_rejection))
+        .collect();
+    if rejected.len() > 1 {
+        rejected.sort_unstable();
+        for i in rejected {
+            outcomes[i] = Some(if expired.is_cancelled() {
                 Outcome::Unconfirmed
-            } else if held.contains(key) {
-                Outcome::Deferred
             } else {
-                match send(producer, row) {
-                    Ok(delivery) => {
-                        in_flight.push((i, delivery));
-                        continue;
-                    }
-                    Err(outcome) => outcome,
-                }
-            };
-            held.insert(key);
-            outcomes[i] = Some(outcome);
-        }
-        let reports = join_all(
-            in_flight
-                .into_iter()
-                .map(|(i, delivery)| async move { (i, await_report(delivery, expired).await) }),
-        )
-        .await;
-        // A broker rejects a whole record batch that is over its size limit: every row that
-        // shared it fails as if too large. Sent again one at a time, each row's own size
-        // decides, and healthy rows are not quarantined with the oversized one.
-        let rejected_together = reports.iter().filter(|(_, o)| is_size_rejection(o)).count() > 1;
-        let mut again = Vec::new();
-        for (i, outcome) in reports {
-            if rejected_together && is_size_rejection(&outcome) {
-                again.push(i);
-                continue;
-            }
-            if !matches!(outcome, Outcome::Delivered) {
-                held.insert(&rows[i].aggregateid);
-            }
-            outcomes[i] = Some(outcome);
-        }
-        again.sort_unstable();
-        for i in again {
-            let row = &rows[i];
-            let outcome = if held.contains(row.aggregateid.as_str()) {
-                Outcome::Deferred
-            } else {
-                send_alone(producer, row, expired).await
-            };
-            if !matches!(outcome, Outcome::Delivered) {
-                held.insert(&row.aggregateid);
-            }
-            outcomes[i] = Some(outcome);
+                send_and_wait(producer, &rows[i], expired).await
+            });
         }
     }
+    let unsent = || {
+        if expired.is_cancelled() {
+            Outcome::Unconfirmed
+        } else {
+            Outcome::Deferred
+        }
+    };
     outcomes
         .into_iter()
-        .map(|o| o.unwrap_or(Outcome::Deferred))
+        .map(|o| o.unwrap_or_else(unsent))
         .collect()
 }
 
@@ -167,10 +172,11 @@ mod tests {
     use outbox_core::EventId;
     use sqlx::types::Json;
 
-    fn row(key: &str, topic: &str) -> OutboxRow {
+    fn row(kind: &str, key: &str, topic: &str) -> OutboxRow {
         OutboxRow {
             seq: 0,
             id: EventId::new(),
+            aggregatetype: kind.into(),
             aggregateid: key.into(),
             event_type: "T".into(),
             payload: "{}".into(),
@@ -182,15 +188,14 @@ mod tests {
     }
 
     #[test]
-    fn a_keys_row_on_another_topic_waits_for_the_next_wave() {
+    fn an_aggregate_is_its_type_and_id() {
         let rows = [
-            row("a", "t1"),
-            row("b", "t1"),
-            row("a", "t1"),
-            row("a", "t2"),
-            row("b", "t2"),
-            row("a", "t1"),
+            row("invoice", "a", "t1"),
+            row("invoice", "b", "t1"),
+            row("invoice", "a", "t2"),
+            row("customer", "a", "t1"),
+            row("invoice", "a", "t1"),
         ];
-        assert_eq!(waves(&rows), [0, 0, 0, 1, 1, 2]);
+        assert_eq!(chains(&rows), [vec![0, 2, 4], vec![1], vec![3]]);
     }
 }

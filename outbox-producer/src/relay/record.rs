@@ -1,25 +1,31 @@
 //! Recording a batch's outcomes on the claim's transaction: acknowledged rows are marked
-//! published (or deleted), the rows' own failures are charged an attempt or quarantined, and
-//! rows no broker answered for are left exactly as they were.
+//! published (or deleted), the rows' own failures are charged an attempt or quarantined, rows
+//! whose partition could not take writes wait with no attempt charged, and rows no broker
+//! answered for are left exactly as they were.
+
+use std::collections::HashMap;
 
 use sqlx::PgConnection;
 
-use super::failure::{FailureKind, backoff, classify};
+use super::failure::{FailureKind, backoff, classify, outage_wait};
+use super::kafka::TopicAnswer;
 use super::publish::Outcome;
 use super::row::OutboxRow;
 use super::{AfterPublish, BatchReport, RelayConfig};
 use crate::ProducerError;
 use crate::sql::RelaySql;
 
-/// Records `outcomes` of `rows`. `broker_answers` tells whether a broker answered after the
-/// batch: if not, failures nobody answered for are the relay's, and charge no row.
+/// Records `outcomes` of `rows`. `answers` tells what the cluster said after the batch about
+/// each topic with an unanswered record: nothing (the relay's failure, no row is touched),
+/// that the topic is missing (the row's failure), or that it knows the topic (an outage of
+/// the partition: the row waits, charged nothing).
 pub(crate) async fn record(
     conn: &mut PgConnection,
     config: &RelayConfig,
     sql: &RelaySql,
     rows: &[OutboxRow],
     outcomes: Vec<Outcome>,
-    broker_answers: bool,
+    answers: &HashMap<String, TopicAnswer>,
 ) -> Result<BatchReport, ProducerError> {
     let mut report = BatchReport {
         claimed: rows.len(),
@@ -31,8 +37,8 @@ pub(crate) async fn record(
     let latency =
         metrics::histogram!("outbox_relay_publish_latency_seconds", "table" => table.clone());
     let now = chrono::Utc::now();
-    let (mut seqs, mut statuses, mut delays, mut errors) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut seqs, mut statuses, mut delays, mut errors, mut charges): (_, _, _, _, Vec<i32>) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (row, outcome) in rows.iter().zip(outcomes) {
         let (kind, error) = match outcome {
             Outcome::Delivered => {
@@ -51,15 +57,32 @@ pub(crate) async fn record(
             }
             Outcome::Defective(defect) => (FailureKind::Permanent, defect.to_string()),
             Outcome::Failed(error) => match classify(&error) {
-                FailureKind::NoAnswer if !broker_answers => {
-                    report.unconfirmed += 1;
-                    report.broker_unreachable = true;
-                    continue;
-                }
-                FailureKind::NoAnswer => (FailureKind::Transient, error.to_string()),
+                FailureKind::NoAnswer => match answers.get(&row.topic) {
+                    Some(TopicAnswer::Missing) => (FailureKind::Transient, error.to_string()),
+                    Some(TopicAnswer::Known) => (FailureKind::Outage, error.to_string()),
+                    Some(TopicAnswer::NoAnswer) | None => {
+                        report.unconfirmed += 1;
+                        report.broker_unreachable = true;
+                        continue;
+                    }
+                },
                 kind => (kind, error.to_string()),
             },
         };
+        if kind == FailureKind::Outage {
+            // Not the row's failure: no attempt charged, however long it lasts. The row waits
+            // (and holds its aggregate's later rows) so that the batches in between carry the
+            // partitions that can take writes.
+            report.waiting += 1;
+            let delay = outage_wait(config);
+            tracing::warn!(event_id = %row.id, topic = %row.topic, retry_in = ?delay, %error, "partition cannot take writes; row waits, not charged");
+            seqs.push(row.seq);
+            statuses.push("pending");
+            delays.push(delay.as_secs_f64() * 1000.0);
+            errors.push(format!("Outage (not charged): {error}"));
+            charges.push(0);
+            continue;
+        }
         let attempts = u32::try_from(row.attempts).unwrap_or(0) + 1;
         let quarantine = kind == FailureKind::Permanent || attempts >= config.max_attempts;
         let reason = format!("{kind:?} after attempt {attempts}: {error}");
@@ -77,12 +100,13 @@ pub(crate) async fn record(
         }
         seqs.push(row.seq);
         errors.push(reason);
+        charges.push(1);
     }
     report.published = published.len();
     metrics::counter!("outbox_relay_published_total", "table" => table.clone())
         .increment(published.len() as u64);
     metrics::counter!("outbox_relay_failed_total", "table" => table.clone())
-        .increment(seqs.len() as u64);
+        .increment((seqs.len() - report.waiting) as u64);
     metrics::counter!("outbox_relay_quarantined_total", "table" => table.clone())
         .increment(report.quarantined as u64);
     metrics::counter!("outbox_relay_unconfirmed_total", "table" => table)
@@ -103,6 +127,7 @@ pub(crate) async fn record(
             .bind(&statuses)
             .bind(&delays)
             .bind(&errors)
+            .bind(&charges)
             .execute(&mut *conn)
             .await?;
     }

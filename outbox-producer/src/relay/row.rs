@@ -12,6 +12,7 @@ use sqlx::types::Json;
 pub(crate) struct OutboxRow {
     pub(crate) seq: i64,
     pub(crate) id: EventId,
+    pub(crate) aggregatetype: String,
     pub(crate) aggregateid: String,
     #[sqlx(rename = "type")]
     pub(crate) event_type: String,
@@ -91,6 +92,7 @@ mod tests {
         OutboxRow {
             seq: 1,
             id: EventId::new(),
+            aggregatetype: "order".into(),
             aggregateid: "k".into(),
             event_type: "T".into(),
             payload: "{}".into(),

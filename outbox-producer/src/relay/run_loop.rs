@@ -6,11 +6,16 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::Producer;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
-use super::Relay;
 use super::grace::Grace;
 use super::kafka::broker_answers;
+use super::{BatchReport, Relay};
 use crate::ProducerError;
+
+/// After shutdown's grace period, how long a batch may still take to record what Kafka
+/// acknowledged before [`Relay::run`] returns without it.
+const SHUTDOWN_DB_MARGIN: Duration = Duration::from_millis(500);
 
 /// Longest pause of [`Relay::run`] after a failed batch (database unreachable).
 const RELAY_RETRY_MAX: Duration = Duration::from_secs(30);
@@ -29,7 +34,9 @@ impl Relay {
     ///
     /// Shutdown takes at most `shutdown_timeout` from the signal: a batch in flight is
     /// recorded with what was acknowledged by then (the rest stays pending and is published
-    /// again later, same event ids), then the producer is flushed with what time is left.
+    /// again later, same event ids), then the producer is flushed with what time is left. A
+    /// batch the database does not answer for is left to finish or roll back on its own
+    /// (half a second past `shutdown_timeout`): its rows stay pending until then.
     ///
     /// Returns [`ProducerError::FatalProducer`] when the producer can no longer be used;
     /// restart the relay with a new producer (its rows are still pending).
@@ -44,9 +51,20 @@ impl Relay {
                 break Ok(());
             }
             if config.listen && listener.is_none() {
-                listener = self.listen().await;
+                // Connecting holds no transaction: safe to drop on shutdown.
+                listener = tokio::select! {
+                    () = shutdown.cancelled() => break Ok(()),
+                    listener = self.listen() => listener,
+                };
             }
-            match self.run_batch(true, &grace.expired).await {
+            let Some(batch) = self.bounded_batch(&grace).await else {
+                tracing::warn!(
+                    "shutdown: the database did not answer within shutdown_timeout; the batch \
+                     finishes or rolls back on its own, its rows stay pending until then"
+                );
+                break Ok(());
+            };
+            match batch {
                 Ok(report) if report.broker_unreachable => {
                     failures = 0;
                     tracing::warn!(
@@ -92,6 +110,31 @@ impl Relay {
         stats.abort();
         result?;
         self.flush(&grace).await
+    }
+
+    /// One batch, on a task of its own. Until shutdown it runs to the end; after the signal,
+    /// it has until the grace period's end (plus [`SHUTDOWN_DB_MARGIN`] to record what was
+    /// acknowledged by then). A batch still waiting on the database then is left to its task,
+    /// never cancelled mid-statement (a future dropped inside `begin()` or a query can put a
+    /// connection back in the pool with its transaction open): it commits or rolls back when
+    /// the database answers, or its connection dies with the process. `None` if it was left.
+    async fn bounded_batch(&self, grace: &Grace) -> Option<Result<BatchReport, ProducerError>> {
+        let mut batch = tokio::spawn({
+            let (relay, expired) = (self.clone(), grace.expired.clone());
+            async move { relay.run_batch(true, &expired).await }.in_current_span()
+        });
+        let deadline = async {
+            grace.expired.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_DB_MARGIN).await;
+        };
+        tokio::select! {
+            joined = &mut batch => Some(match joined {
+                Ok(result) => result,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => Err(ProducerError::Config(format!("relay batch task failed: {e}"))),
+            }),
+            () = deadline => None,
+        }
     }
 
     /// Returns once a broker answers, or on shutdown.

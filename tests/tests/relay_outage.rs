@@ -1,0 +1,249 @@
+//! A partition that cannot take writes while the cluster still answers (no leader, fewer
+//! in-sync replicas than `min.insync.replicas`) is an outage of that partition: its rows are
+//! charged nothing and wait, for any length, while the other partitions flow, and they are
+//! published once it can take writes again. Real Postgres; librdkafka's mock cluster to take
+//! a partition's leader away, or to answer NOT_ENOUGH_REPLICAS.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
+use outbox_tests::{TestDb, count_status, eventually, java_partition, unique};
+use rdkafka::mocking::MockCluster;
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+/// A key that the relay's (Java's) partitioner puts on `partition` of 2.
+fn key_on(partition: i32) -> String {
+    (0..)
+        .map(|n| format!("key{n}"))
+        .find(|k| java_partition(k.as_bytes(), 2) == partition)
+        .unwrap_or_default()
+}
+
+fn events(topic: &str, key: &str, n: usize) -> Result<Vec<NewEvent>> {
+    (0..n)
+        .map(|i| {
+            Ok(
+                NewEvent::new("order", key, "OrderChanged", &json!({ "n": i }))?
+                    .with_topic(topic)?,
+            )
+        })
+        .collect()
+}
+
+async fn enqueue(db: &TestDb, events: &[NewEvent]) -> Result<()> {
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue_all(&mut tx, events).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn attempts(db: &TestDb) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT coalesce(sum(attempts), 0) FROM outbox_events")
+            .fetch_one(&db.pool)
+            .await?,
+    )
+}
+
+/// The `last_error` of every row that has one.
+async fn errors(db: &TestDb) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(
+        "SELECT status || ': ' || last_error FROM outbox_events WHERE last_error IS NOT NULL ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await?)
+}
+
+/// Published rows of `key`.
+async fn published(db: &TestDb, key: &str) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_events WHERE aggregateid = $1 AND status = 'published'",
+    )
+    .bind(key)
+    .fetch_one(&db.pool)
+    .await?)
+}
+
+/// A relay that would quarantine a row after two charged failures, each after one second.
+fn impatient_relay(db: &TestDb, brokers: &str) -> Result<Relay> {
+    let mut kafka = producer_config(brokers);
+    kafka.set("message.timeout.ms", "1000");
+    Ok(Relay::new(
+        db.pool.clone(),
+        &kafka,
+        RelayConfig::default()
+            .max_attempts(2)
+            .backoff(Duration::from_millis(100), Duration::from_millis(500))
+            .poll_interval(Duration::from_millis(100)),
+    )?)
+}
+
+/// Runs `relay` while the fault lasts: longer than `max_attempts` × `message.timeout.ms`
+/// several times over, so that charged failures would have quarantined every stuck row.
+/// Returns the running relay's handle and its shutdown token.
+fn run(
+    relay: &Relay,
+) -> (
+    tokio::task::JoinHandle<Result<(), outbox_producer::ProducerError>>,
+    CancellationToken,
+) {
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (relay, shutdown) = (relay.clone(), shutdown.clone());
+        async move { relay.run(shutdown).await }
+    });
+    (running, shutdown)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaderless_partition_is_waited_out_while_the_other_flows() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topic = unique("leaderless");
+    mock.create_topic(&topic, 2, 1)?;
+    let (up, down) = (key_on(0), key_on(1));
+    let relay = impatient_relay(&db, &mock.bootstrap_servers())?;
+    mock.partition_leader(&topic, 1, None)?;
+    enqueue(&db, &events(&topic, &down, 3)?).await?;
+    enqueue(&db, &events(&topic, &up, 3)?).await?;
+
+    let (running, shutdown) = run(&relay);
+    eventually(
+        "the partition with a leader flows",
+        Duration::from_secs(20),
+        || async { Ok(published(&db, &up).await? == 3) },
+    )
+    .await?;
+    // The outage outlasts max_attempts × message.timeout.ms three times over.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        count_status(&db.pool, "quarantined").await?,
+        0,
+        "{:?}",
+        errors(&db).await?
+    );
+    assert_eq!(published(&db, &down).await?, 0);
+    assert_eq!(
+        attempts(&db).await?,
+        3,
+        "only the delivered rows' attempts count; a partition's outage is not the rows' failure"
+    );
+
+    mock.partition_leader(&topic, 1, Some(1))?;
+    eventually(
+        "the stuck partition's rows are published once it has a leader",
+        Duration::from_secs(30),
+        || async { Ok(published(&db, &down).await? == 3) },
+    )
+    .await?;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), running).await???;
+    let order: Vec<i64> = outbox_tests::read_all_from(
+        &mock.bootstrap_servers(),
+        &topic,
+        2,
+        Duration::from_secs(30),
+    )
+    .await?
+    .into_iter()
+    .filter(|r| r.key == down)
+    .map(|r| {
+        serde_json::from_str::<serde_json::Value>(&r.payload).map(|v| v["n"].as_i64().unwrap_or(-1))
+    })
+    .collect::<Result<_, _>>()?;
+    assert_eq!(order, [0, 1, 2], "in order, once each");
+    Ok(())
+}
+
+/// Kafka 4 caps the effective `min.insync.replicas` at the replication factor, so the single
+/// test broker cannot be made to answer NOT_ENOUGH_REPLICAS: the mock cluster does, to every
+/// produce request, until the fault is cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_enough_replicas_is_waited_out_and_charges_no_row() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topic = unique("isr");
+    mock.create_topic(&topic, 1, 1)?;
+    let relay = impatient_relay(&db, &mock.bootstrap_servers())?;
+    // Warmed first, so that the fault meets produce requests, not the producer's start.
+    enqueue(&db, &events(&topic, "warm", 1)?).await?;
+    assert_eq!(relay.run_once().await?.published, 1);
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 100_000],
+    );
+    enqueue(&db, &events(&topic, "k", 3)?).await?;
+
+    let (running, shutdown) = run(&relay);
+    eventually(
+        "the relay has met the fault",
+        Duration::from_secs(20),
+        || async { Ok(!errors(&db).await?.is_empty()) },
+    )
+    .await?;
+    // Longer than max_attempts × message.timeout.ms, three times over.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        count_status(&db.pool, "quarantined").await?,
+        0,
+        "{:?}",
+        errors(&db).await?
+    );
+    assert_eq!(published(&db, "k").await?, 0);
+    assert_eq!(attempts(&db).await?, 1, "{:?}", errors(&db).await?);
+
+    mock.clear_request_errors(RDKafkaApiKey::Produce);
+    eventually(
+        "the rows are published once the partition takes writes",
+        Duration::from_secs(30),
+        || async { Ok(published(&db, "k").await? == 3) },
+    )
+    .await?;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), running).await???;
+    assert_eq!(
+        attempts(&db).await?,
+        4,
+        "one attempt per row: the successful one"
+    );
+    Ok(())
+}
+
+/// A row waiting out its partition's outage has no attempt charged, yet it must hold its
+/// aggregate's later rows back before the claim's LIMIT: otherwise they fill every batch
+/// (each dropped after the LIMIT, behind their waiting head) and the other partitions starve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_waiting_out_an_outage_does_not_starve_the_keys_behind_it() -> Result<()> {
+    const BATCH: u32 = 20;
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topic = unique("starve");
+    mock.create_topic(&topic, 2, 1)?;
+    let (up, down) = (key_on(0), key_on(1));
+    let mut kafka = producer_config(&mock.bootstrap_servers());
+    kafka.set("message.timeout.ms", "1000");
+    let relay = Relay::new(
+        db.pool.clone(),
+        &kafka,
+        RelayConfig::default()
+            .batch_size(BATCH)
+            .backoff(Duration::from_millis(100), Duration::from_secs(30)),
+    )?;
+    mock.partition_leader(&topic, 1, None)?;
+    enqueue(&db, &events(&topic, &down, 1 + 3 * BATCH as usize)?).await?;
+    enqueue(&db, &events(&topic, &up, 5)?).await?;
+
+    let first = relay.run_once().await?;
+    assert_eq!(first.waiting, 1, "{first:?}");
+    let second = relay.run_once().await?;
+    assert_eq!(
+        (second.claimed, second.published),
+        (5, 5),
+        "the other partition's key flows past the waiting one: {second:?}"
+    );
+    assert_eq!(attempts(&db).await?, 5);
+    Ok(())
+}

@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, AlterConfig, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -60,6 +62,31 @@ pub(crate) async fn create_topic(
         tracing::debug!(%error, "topic not created yet; retrying");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// Sets `topic`'s configs to `configs`: every one it should have, since the broker replaces
+/// the topic's whole set (the non-incremental AlterConfigs).
+pub(crate) async fn set_topic_configs(
+    brokers: &str,
+    topic: &str,
+    configs: &[(&str, &str)],
+) -> Result<()> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let alter = configs
+        .iter()
+        .fold(AlterConfig::new(ResourceSpecifier::Topic(topic)), |a, (k, v)| a.set(k, v));
+    let results = admin
+        .alter_configs(
+            [&alter],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await?;
+    if let Some((_, code)) = results.into_iter().find_map(Result::err) {
+        bail!("altering the configs of {topic}: {code}");
+    }
+    Ok(())
 }
 
 /// Deletes `topic` and waits until no broker lists it any more.

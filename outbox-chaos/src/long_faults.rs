@@ -24,6 +24,9 @@
 //!   absence); after the absence the topic is created again with the same partitions and the
 //!   consumers start again (librdkafka does not follow a re-created topic, see below). The
 //!   fault ends there.
+//! * **Partial outage** (three nodes, `partial_outage.rs`): one node down while the topic
+//!   still takes writes, then one node down while it refuses them (`min.insync.replicas`
+//!   raised to 3). Metadata answers throughout; nothing may be quarantined for either.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -44,6 +47,7 @@ use crate::pg_server::{LocalPg, StopMode};
 use crate::profile::LongFaults;
 use crate::summary::Kind;
 
+mod partial_outage;
 mod stuck_key;
 
 use stuck_key::{BLOCKED_KEY, STUCK_KEY};
@@ -94,7 +98,12 @@ impl LongFaultPhase<'_> {
         let settled = self.time_drain(watermark, None, began).await?;
         tracing::info!(took = ?settled, "long-fault phase: the fault loop's backlog drained");
         let mut figures = Vec::new();
-        figures.push((Kind::BrokerOutage, self.broker_outage().await?));
+        if let Some(outage) = self.plan.broker_outage {
+            figures.push((Kind::BrokerOutage, self.broker_outage(outage).await?));
+        }
+        if let Some(downtime) = self.plan.partial_outage {
+            figures.extend(self.partial_outage(downtime).await?);
+        }
         if let Some(outage) = self.plan.pg_outage {
             figures.push((Kind::PgStop, self.pg_stop(outage).await?));
         }
@@ -117,8 +126,7 @@ impl LongFaultPhase<'_> {
         Ok(figures)
     }
 
-    async fn broker_outage(&mut self) -> Result<Duration> {
-        let outage = self.plan.broker_outage;
+    async fn broker_outage(&mut self, outage: Duration) -> Result<Duration> {
         let node = self
             .broker
             .restart_leader(self.topic, 0, Down::Kill9, outage)

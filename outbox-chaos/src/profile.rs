@@ -29,8 +29,12 @@ pub(crate) struct LongFaults {
     /// (`None`: they keep the profile's). A broker outage only shows that it charges rows
     /// nothing when it lasts longer than `max_attempts` × `message.timeout.ms`.
     pub(crate) relay_retry: Option<RelayRetry>,
-    /// How long the broker stays down (`kill -9`, started again on the same storage).
-    pub(crate) broker_outage: Duration,
+    /// How long the broker stays down (`kill -9`, started again on the same storage; `None`:
+    /// no such fault).
+    pub(crate) broker_outage: Option<Duration>,
+    /// How long one node of a three-node cluster stays down in each half of the partial
+    /// outage (`partial_outage.rs`; `None`: no such fault).
+    pub(crate) partial_outage: Option<Duration>,
     /// How long the run's own Postgres server stays stopped (`None`: no such fault, and the
     /// run uses the shared server).
     pub(crate) pg_outage: Option<Duration>,
@@ -155,7 +159,8 @@ impl Profile {
                     // Minutes: at this profile's rate (about 150 events/s) some 37,000 events
                     // pile up; in the first run (seed 7) the relays had published them 22 s
                     // after the broker's return and both groups had applied them after 68 s.
-                    broker_outage: Duration::from_secs(240),
+                    broker_outage: Some(Duration::from_secs(240)),
+                    partial_outage: None,
                     pg_outage: Some(Duration::from_secs(45)),
                     stuck_key: true,
                     blocked_key: true,
@@ -175,6 +180,22 @@ impl Profile {
                 // down while one is starting, so most broker picks are skipped.
                 broker_fault_weight: 10,
                 brokers: 3,
+                // Then one node of three down, twice: once with the topic still taking writes
+                // (`min.insync.replicas` 2), once with it refusing them (3). The relays
+                // quarantine after 5 attempts of 5 s deliveries, so 40 s of refused writes
+                // charged to rows would show as quarantined rows.
+                long_faults: Some(LongFaults {
+                    relay_retry: Some(LIVENESS_RELAY_RETRY),
+                    broker_outage: None,
+                    partial_outage: Some(Duration::from_secs(40)),
+                    pg_outage: None,
+                    stuck_key: false,
+                    blocked_key: false,
+                    topic_absence: None,
+                    topic_fault_retry: TOPIC_FAULT_RETRY,
+                    bound: Duration::from_secs(60),
+                    drain_wait: Duration::from_secs(150),
+                }),
                 ..Self::named(ProfileName::Ci)
             },
             ProfileName::Liveness => Self {
@@ -195,7 +216,8 @@ impl Profile {
                 relay_retry: LIVENESS_RELAY_RETRY,
                 long_faults: Some(LongFaults {
                     relay_retry: None,
-                    broker_outage: Duration::from_secs(130),
+                    broker_outage: Some(Duration::from_secs(130)),
+                    partial_outage: None,
                     pg_outage: Some(Duration::from_secs(25)),
                     stuck_key: true,
                     blocked_key: true,

@@ -41,10 +41,16 @@ pub(crate) enum Kind {
     BlockedKey,
     /// The long-fault phase: the topic deleted and, a little later, created again.
     TopicRecreate,
+    /// The long-fault phase: one node of three down while the topic still takes writes
+    /// (`min.insync.replicas` 2); timed from the kill, and must drain before the node is back.
+    PartialOutage,
+    /// One node of three down while the topic refuses writes (`min.insync.replicas` 3):
+    /// timed from the node's return; nothing may be quarantined for it.
+    IsrOutage,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 16] = [
+    pub(crate) const ALL: [Self; 18] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -61,15 +67,19 @@ impl Kind {
         Self::StuckKey,
         Self::BlockedKey,
         Self::TopicRecreate,
+        Self::PartialOutage,
+        Self::IsrOutage,
     ];
 
     /// The long faults, whose liveness figures the summary reports.
-    pub(crate) const LONG: [Self; 5] = [
+    pub(crate) const LONG: [Self; 7] = [
         Self::BrokerOutage,
         Self::PgStop,
         Self::StuckKey,
         Self::BlockedKey,
         Self::TopicRecreate,
+        Self::PartialOutage,
+        Self::IsrOutage,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -90,6 +100,8 @@ impl Kind {
             Self::StuckKey => "stuck_key",
             Self::BlockedKey => "blocked_key",
             Self::TopicRecreate => "topic_recreate",
+            Self::PartialOutage => "partial_outage",
+            Self::IsrOutage => "isr_outage",
         }
     }
 

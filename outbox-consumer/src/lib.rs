@@ -75,6 +75,7 @@ mod failure;
 mod handler;
 mod partition_stream;
 mod permit;
+mod prefetch;
 mod prune;
 mod pruner;
 pub mod quarantine;

@@ -6,12 +6,35 @@
 //! of the budget (the budget divided by the partitions assigned) is paused, so that librdkafka
 //! fetches no more of it, and resumed once its worker has handled half its share. What the
 //! member holds is then the budget, whatever the partition count, plus a message per partition
-//! (the one that crossed its share) and the fetch response being read.
+//! (the one that crossed its share) and what librdkafka holds: the fetch response being read,
+//! and per partition at most its small queue (see [`librdkafka_defaults`]) and one fetch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use rdkafka::ClientConfig;
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use tokio::sync::Notify;
+
+/// librdkafka's settings the budget relies on, unless the application set them. Messages
+/// leave librdkafka's queues as they arrive, so a small queue per partition costs no speed;
+/// it keeps librdkafka from fetching round after round into a partition before its messages
+/// are taken and the partition paused: librdkafka then holds, per partition, this much and one
+/// fetch of it (`max.partition.fetch.bytes`) at most, where its 64 MiB default let 48
+/// partitions hold 3 GiB. A queue over it postpones the partition's next fetch by
+/// `fetch.queue.backoff.ms`, 1 s by default: long enough to starve a partition whose messages
+/// are taken in microseconds.
+const LIBRDKAFKA_DEFAULTS: &[(&str, &str)] = &[
+    ("queued.max.messages.kbytes", "64"),
+    ("fetch.queue.backoff.ms", "10"),
+];
+
+pub(crate) fn librdkafka_defaults(config: &mut ClientConfig) {
+    for (key, value) in LIBRDKAFKA_DEFAULTS {
+        if config.get(key).is_none() {
+            config.set(*key, *value);
+        }
+    }
+}
 
 /// Bytes held by the whole member.
 #[derive(Debug)]

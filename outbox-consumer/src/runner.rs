@@ -53,6 +53,7 @@ pub(crate) fn enforce_required(config: &mut ClientConfig) {
         }
         config.set(*key, *value);
     }
+    crate::prefetch::librdkafka_defaults(config);
 }
 
 impl<P, H> DedupConsumer<P, H>
@@ -77,9 +78,9 @@ where
     ///
     /// Each assigned partition gets its own queue and worker; up to `max_concurrent_partitions`
     /// workers handle batches at once, each partition in order. A worker that falls behind
-    /// holds back only its own partition's fetch (librdkafka stops fetching it at
-    /// `queued.min.messages` messages or `queued.max.messages.kbytes` queued), never the poll
-    /// loop, so heartbeats, rebalances and the other partitions go on. A revoked partition's
+    /// holds back only its own partition's fetch (the partition is paused once it holds its
+    /// share of `prefetch_budget_bytes`, the budget divided by the partitions assigned), never
+    /// the poll loop, so heartbeats, rebalances and the other partitions go on. A revoked partition's
     /// worker handles nothing after the message in hand; what was fetched for it is dropped,
     /// and the partition's next owner reads it from the committed offset. On shutdown, batches being
     /// handled finish, queued messages are left for redelivery, stored offsets are committed

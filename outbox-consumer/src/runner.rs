@@ -80,9 +80,9 @@ where
     /// workers handle batches at once, each partition in order. A worker that falls behind
     /// holds back only its own partition's fetch (the partition is paused once it holds its
     /// share of `prefetch_budget_bytes`, the budget divided by the partitions assigned), never
-    /// the poll loop, so heartbeats, rebalances and the other partitions go on. A revoked partition's
-    /// worker handles nothing after the message in hand; what was fetched for it is dropped,
-    /// and the partition's next owner reads it from the committed offset. On shutdown, batches being
+    /// the poll loop, so heartbeats, rebalances and the other partitions go on. A revoked
+    /// partition's worker handles nothing after the message in hand; what was fetched for it
+    /// is dropped, and the partition's next owner reads it from the committed offset. On shutdown, batches being
     /// handled finish, queued messages are left for redelivery, stored offsets are committed
     /// within `shutdown_timeout`, and the client is closed off the async runtime, so a dead
     /// broker cannot hang the caller. A message waiting out a retry backoff does not count

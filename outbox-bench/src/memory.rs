@@ -1,7 +1,9 @@
 //! Peak RSS of a relay and of a consumer, each in a process of its own under the P2 and P4
-//! loads, against the floor: a process that opens the same clients and does no work; and of a
+//! loads, against the floor: a process that opens the same clients and does no work; of a
 //! consumer at P4's steady 1,000 msg/s, batched (the default) against one transaction per
-//! message.
+//! message; and of a consumer with its defaults draining a backlog of 1 KB records on 48
+//! partitions, against the same backlog on 4 (its prefetch budget is the member's, whatever
+//! the partition count).
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -21,6 +23,10 @@ use crate::sample::{Figure, Sample};
 use crate::{Settings, p2_relay, p4_consumer};
 
 const PARTITIONS: i32 = 4;
+/// The partitions, records and record size of the backlog runs.
+const WIDE: i32 = 48;
+const BACKLOG: usize = 240_000;
+const RECORD_BYTES: usize = 1000;
 
 /// What a child process does before it reports its peak RSS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -43,6 +49,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let exe = std::env::current_exe()?;
     let [mut idle, mut relay, mut consumer]: [Sample; 3] = Default::default();
     let [mut steady, mut steady_single]: [Sample; 2] = Default::default();
+    let [mut wide, mut narrow]: [Sample; 2] = Default::default();
     for round in 0..settings.rounds {
         let topic = random_topic(PARTITIONS).await?;
         p2_relay::fill(&db.pool, &topic, settings.events).await?;
@@ -64,14 +71,34 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
                 _ => steady_single.push(rss),
             }
         }
+        // The backlog runs, in alternating order, each on a topic of its own.
+        let order = if round % 2 == 0 {
+            [WIDE, PARTITIONS]
+        } else {
+            [PARTITIONS, WIDE]
+        };
+        for partitions in order {
+            let topic = random_topic(partitions).await?;
+            produce_backlog(&topic, partitions).await?;
+            let rss = child_rss_mib_of(&exe, settings, Role::Consumer, &db.schema, &topic, BACKLOG)
+                .await?;
+            if partitions == WIDE {
+                wide.push(rss);
+            } else {
+                narrow.push(rss);
+            }
+        }
         eprintln!(
             "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB; at {RATE}/s: \
-             batched {:.1}, per message {:.1} MiB",
+             batched {:.1}, per message {:.1} MiB; backlog on {WIDE} partitions {:.1}, on \
+             {PARTITIONS} {:.1} MiB",
             idle.values[round],
             relay.values[round],
             consumer.values[round],
             steady.values[round],
-            steady_single.values[round]
+            steady_single.values[round],
+            wide.values[round],
+            narrow.values[round]
         );
     }
     let per = format!("{} events", settings.events);
@@ -103,7 +130,59 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             steady_single,
             None,
         ),
+        Figure::at_least(
+            "MEM",
+            format!(
+                "consumer peak RSS, {WIDE} partitions, {}k x 1 KB backlog",
+                BACKLOG / 1000
+            ),
+            "MiB",
+            wide,
+            format!("same backlog on {PARTITIONS} partitions"),
+            narrow,
+            None,
+        ),
     ])
+}
+
+/// Produces `BACKLOG` records of `RECORD_BYTES` to `topic`, spread over its `partitions`.
+async fn produce_backlog(topic: &str, partitions: i32) -> Result<()> {
+    use futures::StreamExt;
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::FutureRecord;
+    let producer: FutureProducer = producer_config(&kafka_bootstrap())
+        .set("linger.ms", "20")
+        .create()?;
+    let pad = "x".repeat(RECORD_BYTES - 30);
+    let sends = futures::stream::iter(0..BACKLOG).map(|n| {
+        let (producer, pad) = (&producer, &pad);
+        async move {
+            let id = outbox_core::EventId::new().to_string();
+            let payload = format!(r#"{{"n":{n},"pad":"{pad}"}}"#);
+            let key = format!("k{n}");
+            let partition = i32::try_from(n)? % partitions;
+            producer
+                .send(
+                    FutureRecord::to(topic)
+                        .partition(partition)
+                        .key(&key)
+                        .payload(&payload)
+                        .headers(OwnedHeaders::new().insert(Header {
+                            key: "id",
+                            value: Some(&id),
+                        })),
+                    Duration::from_secs(60),
+                )
+                .await
+                .map_err(|(e, _)| e)?;
+            anyhow::Ok(())
+        }
+    });
+    let mut sends = sends.buffer_unordered(10_000);
+    while let Some(sent) = sends.next().await {
+        sent?;
+    }
+    Ok(())
 }
 
 /// Runs this executable in `role` and returns the peak RSS it reports.
@@ -114,13 +193,25 @@ async fn child_rss_mib(
     schema: &str,
     topic: &str,
 ) -> Result<f64> {
+    child_rss_mib_of(exe, settings, role, schema, topic, settings.events).await
+}
+
+/// [`child_rss_mib`] for `events` events.
+async fn child_rss_mib_of(
+    exe: &std::path::Path,
+    settings: &Settings,
+    role: Role,
+    schema: &str,
+    topic: &str,
+    events: usize,
+) -> Result<f64> {
     let role_name = clap::ValueEnum::to_possible_value(&role)
         .context("a role without a name")?
         .get_name()
         .to_owned();
     let out = tokio::process::Command::new(exe)
         .args(["--role", &role_name, "--schema", schema, "--topic", topic])
-        .args(["--events", &settings.events.to_string()])
+        .args(["--events", &events.to_string()])
         .args(["--batch-size", &settings.batch_size.to_string()])
         .stderr(std::process::Stdio::inherit())
         .output()

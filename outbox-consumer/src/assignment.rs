@@ -4,7 +4,7 @@
 //! back, a fresh fetch delivers the message again in order. The context also tells a running
 //! consumer of each rebalance as it happens (see `partition_stream.rs`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::task::{Poll, Waker};
 
@@ -27,6 +27,8 @@ use crate::ConsumerError;
 pub struct DedupContext<C = DefaultClientContext> {
     /// Revocations per topic and partition.
     epochs: Mutex<HashMap<String, HashMap<i32, u64>>>,
+    /// The partitions assigned now, whose number divides the prefetch budget.
+    owned: Mutex<HashSet<(String, i32)>>,
     /// Called before each rebalance takes effect, while a consumer runs.
     watcher: Mutex<Option<Watcher>>,
     /// Closed while a revocation takes effect (see [`Self::poll_at_epoch`]).
@@ -48,6 +50,7 @@ impl<C> DedupContext<C> {
     pub fn new(inner: C) -> Self {
         Self {
             epochs: Mutex::default(),
+            owned: Mutex::default(),
             watcher: Mutex::default(),
             gate: Mutex::default(),
             inner,
@@ -85,6 +88,11 @@ impl<C> DedupContext<C> {
         }
         let epoch = self.epoch(topic, partition);
         take(cx).map(|taken| (taken, epoch))
+    }
+
+    /// How many partitions are assigned to this member now.
+    pub(crate) fn owned(&self) -> usize {
+        self.owned.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// How many times `topic`/`partition` has been revoked from this member.
@@ -136,6 +144,25 @@ impl<C: ClientContext> ClientContext for DedupContext<C> {
 
 impl<C: ClientContext> ConsumerContext for DedupContext<C> {
     fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        // Eager rebalances revoke and assign whole assignments, cooperative ones a change:
+        // either way this set is what is assigned once the rebalance took effect.
+        {
+            let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
+            match rebalance {
+                Rebalance::Assign(partitions) => owned.extend(
+                    partitions
+                        .elements()
+                        .iter()
+                        .map(|e| (e.topic().to_owned(), e.partition())),
+                ),
+                Rebalance::Revoke(partitions) => {
+                    for e in partitions.elements() {
+                        owned.remove(&(e.topic().to_owned(), e.partition()));
+                    }
+                }
+                Rebalance::Error(_) => {}
+            }
+        }
         if let Rebalance::Revoke(partitions) = rebalance {
             // Taken under the gate: a take in progress finishes first, and none starts until
             // post_rebalance, after librdkafka dropped the revoked assignment's messages.

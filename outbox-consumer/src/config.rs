@@ -57,6 +57,13 @@ pub struct ConsumerConfig {
     pub event_types: Option<BTreeSet<String>>,
     /// Bound on the final offset commit at shutdown.
     pub shutdown_timeout: Duration,
+    /// Most bytes (payloads, keys and headers) of fetched messages the member holds before
+    /// handling them, shared by the partitions it owns whatever their number: each may hold
+    /// its share (this divided by the partitions assigned), and is paused beyond it until its
+    /// worker has handled half of it. librdkafka's per-partition prefetch
+    /// (`queued.max.messages.kbytes`) no longer multiplies with the partition count; what a
+    /// fetch response brings in at once (`fetch.max.bytes`) comes on top.
+    pub prefetch_budget_bytes: usize,
 }
 
 impl ConsumerConfig {
@@ -110,6 +117,11 @@ impl ConsumerConfig {
         self.max_payload_bytes = n;
         self
     }
+    /// Sets [`Self::prefetch_budget_bytes`].
+    pub fn prefetch_budget_bytes(mut self, bytes: usize) -> Self {
+        self.prefetch_budget_bytes = bytes;
+        self
+    }
     /// Accepts only these event types.
     pub fn event_types<I: IntoIterator<Item = S>, S: Into<String>>(mut self, types: I) -> Self {
         self.event_types = Some(types.into_iter().map(Into::into).collect());
@@ -133,10 +145,13 @@ impl ConsumerConfig {
                 "cache_ttl must not exceed dedup_ttl, or the cache would outlive the dedup rows",
             );
         }
-        if self.max_attempts == 0 || self.max_concurrent_partitions == 0 || self.max_batch_size == 0
+        if self.max_attempts == 0
+            || self.max_concurrent_partitions == 0
+            || self.max_batch_size == 0
+            || self.prefetch_budget_bytes == 0
         {
             return bad(
-                "max_attempts, max_concurrent_partitions and max_batch_size must be at least 1",
+                "max_attempts, max_concurrent_partitions, max_batch_size and prefetch_budget_bytes must be at least 1",
             );
         }
         if self.backoff_base > self.backoff_max {
@@ -163,6 +178,7 @@ impl Default for ConsumerConfig {
             max_payload_bytes: 1024 * 1024,
             event_types: None,
             shutdown_timeout: Duration::from_secs(10),
+            prefetch_budget_bytes: 64 * 1024 * 1024,
         }
     }
 }

@@ -72,6 +72,11 @@ pub struct ConsumerStats {
     pub revoked_skipped: u64,
     /// Requeued copies skipped because they were for another consumer ([`Outcome::NotForUs`]).
     pub not_for_us: u64,
+    /// Bytes of fetched messages held now, not yet handled (see
+    /// [`ConsumerConfig::prefetch_budget_bytes`]).
+    pub prefetched_bytes: u64,
+    /// The most [`Self::prefetched_bytes`] has been.
+    pub prefetched_bytes_peak: u64,
 }
 
 #[derive(Debug, Default)]
@@ -156,6 +161,8 @@ pub(crate) struct Inner<P, H> {
     /// Whether a recent batch met an id already recorded: batches then insert their ids with
     /// `ON CONFLICT DO NOTHING` until one finds none recorded (`batch.rs`).
     pub(crate) expect_duplicates: std::sync::atomic::AtomicBool,
+    /// Bytes fetched and not yet handled, against `prefetch_budget_bytes`.
+    pub(crate) prefetch: crate::prefetch::Budget,
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
@@ -258,6 +265,7 @@ where
             .max_capacity(config.cache_capacity)
             .time_to_live(config.cache_ttl)
             .build();
+        let prefetch = crate::prefetch::Budget::new(config.prefetch_budget_bytes);
         Ok(Self {
             inner: Arc::new(Inner {
                 name,
@@ -269,6 +277,7 @@ where
                 cache,
                 counters: Counters::default(),
                 expect_duplicates: std::sync::atomic::AtomicBool::new(false),
+                prefetch,
                 _payload: std::marker::PhantomData,
                 #[cfg(feature = "fault-injection")]
                 crash_after_commit: std::sync::atomic::AtomicBool::new(false),
@@ -296,6 +305,8 @@ where
             transactions: get(&c.transactions),
             revoked_skipped: get(&c.revoked_skipped),
             not_for_us: get(&c.not_for_us),
+            prefetched_bytes: self.inner.prefetch.held(),
+            prefetched_bytes_peak: self.inner.prefetch.peak(),
         }
     }
 

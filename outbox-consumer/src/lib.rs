@@ -41,9 +41,10 @@
 //!
 //! Each assigned partition has its own librdkafka queue and worker, beside the Kafka poll
 //! loop, so a slow handler never stops polling: a partition whose handler falls behind is
-//! fetched no further once its queue holds `queued.min.messages` messages or
-//! `queued.max.messages.kbytes` (librdkafka's settings, which bound memory per partition),
-//! and the member keeps its partitions however long a handler (or a database outage) takes.
+//! paused once it holds its share of [`ConsumerConfig::prefetch_budget_bytes`] (the budget
+//! divided by the partitions assigned, so the member's memory does not grow with their
+//! number), and the member keeps its partitions however long a handler (or a database
+//! outage) takes.
 //! Messages fetched for a partition that a rebalance takes away are dropped, not handled: the
 //! partition's new owner reads them from the committed offset.
 //!
@@ -81,6 +82,7 @@ mod header_list;
 mod headers;
 mod partition_stream;
 mod permit;
+mod prefetch;
 mod prune;
 mod pruner;
 pub mod quarantine;

@@ -1,26 +1,29 @@
 //! Each partition assigned to a running consumer gets its own librdkafka queue
 //! (`split_partition_queue`), split in the rebalance callback before the assignment starts
-//! fetching, so none of its messages reaches the consumer's main queue. The partition's worker
-//! takes its batches straight from that queue, for as long as the consumer runs (through
-//! revocations and re-assignments: the queue stays the partition's). A worker that falls
-//! behind is flow-controlled by librdkafka itself: it stops fetching that partition once its
-//! queue holds `queued.min.messages` messages or `queued.max.messages.kbytes`, and carries on
-//! from where it stopped. Pausing the fetch instead (as this consumer once did) drops what
-//! librdkafka prefetched and refetches it on resume: about 0.9 s without a transaction each
-//! time, which held the consumer to a sixth of its speed.
+//! fetching, so none of its messages reaches the consumer's main queue. The partition's
+//! [`prefetch`] takes its messages from that queue as they arrive, for as long as the consumer
+//! runs (through revocations and re-assignments: the queue stays the partition's), and hands
+//! them to the partition's worker, counted against the member's prefetch budget
+//! (`prefetch.rs`). A partition holding its share is paused, and resumed once its worker has
+//! handled half of it. A pause drops what librdkafka had queued for the partition and
+//! refetches it on resume; taken at once, little is queued there, and a partition pauses only
+//! with its share in hand (this consumer once paused at 1,024 queued messages, dropping a whole
+//! prefetch each time, which held it to a sixth of its speed).
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
 
-use futures::StreamExt;
-use rdkafka::ClientContext;
+use futures::{FutureExt, StreamExt};
 use rdkafka::consumer::stream_consumer::{MessageStream, StreamPartitionQueue};
 use rdkafka::consumer::{Consumer, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::OwnedMessage;
+use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::assignment::{DedupContext, Watcher};
+use crate::prefetch::{Budget, Share, size};
 
 /// A partition's own queue.
 pub(crate) type PartitionStream<C> = StreamPartitionQueue<DedupContext<C>>;
@@ -110,4 +113,110 @@ pub(crate) fn stop_watching<C: ClientContext + 'static>(
     consumer: &StreamConsumer<DedupContext<C>>,
 ) {
     consumer.context().watch(None);
+}
+
+/// A message taken from its partition's queue, with the partition's revocation count when it
+/// was taken and the bytes it holds against the budget.
+#[derive(Debug)]
+pub(crate) struct Fetched {
+    pub(crate) message: OwnedMessage,
+    pub(crate) epoch: u64,
+    pub(crate) bytes: u64,
+}
+
+/// Takes `topic`/`partition`'s messages from its own `queue` as they arrive and sends them to
+/// its worker on `fetched`, keeping the partition within its share of `budget` (see
+/// `prefetch.rs`). Runs until `stop`; never returns, so that the worker beside it decides when
+/// the partition is done.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn prefetch<C: ClientContext + 'static>(
+    consumer: &StreamConsumer<DedupContext<C>>,
+    topic: &str,
+    partition: i32,
+    queue: PartitionStream<C>,
+    budget: &Budget,
+    share: &Share,
+    fetched: mpsc::UnboundedSender<Fetched>,
+    stop: &CancellationToken,
+) -> std::convert::Infallible {
+    let context = consumer.context();
+    let mut stream = queue.stream();
+    let mut paused = false;
+    let forward = |taken: Option<KafkaResult<OwnedMessage>>, epoch: u64| match taken {
+        Some(Ok(message)) => {
+            let bytes = size(&message);
+            share.take(budget, bytes);
+            // Closed only when the worker stopped: nothing is handled after that.
+            let _ = fetched.send(Fetched {
+                message,
+                epoch,
+                bytes,
+            });
+            true
+        }
+        Some(Err(error)) => {
+            tracing::warn!(%error, topic, partition, "kafka partition queue error");
+            true
+        }
+        None => false,
+    };
+    'fetching: while !stop.is_cancelled() {
+        let limit = budget.share(context.owned());
+        // Paused, it waits for its worker to handle half its share before fetching again.
+        let room = if paused { limit / 2 } else { limit }.max(1);
+        if share.held() >= room {
+            if !paused {
+                pause(consumer, topic, partition, true);
+                paused = true;
+                // What librdkafka queued before the pause is stale now (it refetches from
+                // after the last message taken): drop it now, not on resume, since each
+                // message keeps its whole fetch response's buffer alive.
+                while let Some((taken, epoch)) =
+                    next_at_epoch(&mut stream, context, topic, partition).now_or_never()
+                {
+                    if !forward(taken, epoch) {
+                        break 'fetching;
+                    }
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = share.released() => continue,
+            }
+        }
+        if paused {
+            pause(consumer, topic, partition, false);
+            paused = false;
+        }
+        let (taken, epoch) = tokio::select! {
+            () = stop.cancelled() => break,
+            taken = next_at_epoch(&mut stream, context, topic, partition) => taken,
+        };
+        if !forward(taken, epoch) {
+            break;
+        }
+    }
+    // The worker sees the channel closed once it has taken what was sent.
+    drop(fetched);
+    std::future::pending().await
+}
+
+/// Pauses (or resumes) fetching `topic`/`partition`.
+fn pause<C: ClientContext + 'static>(
+    consumer: &StreamConsumer<DedupContext<C>>,
+    topic: &str,
+    partition: i32,
+    pause: bool,
+) {
+    let mut list = TopicPartitionList::new();
+    list.add_partition(topic, partition);
+    let done = if pause {
+        consumer.pause(&list)
+    } else {
+        consumer.resume(&list)
+    };
+    match done {
+        Ok(()) => tracing::debug!(topic, partition, pause, "prefetch share reached or freed"),
+        Err(error) => tracing::warn!(%error, topic, partition, pause, "cannot pause or resume"),
+    }
 }

@@ -4,23 +4,22 @@
 
 use std::sync::Arc;
 
-use futures::FutureExt;
-
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::{ClientConfig, ClientContext};
 use serde::de::DeserializeOwned;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::assignment::DedupContext;
 use crate::consumer::Outcome;
 use crate::partition_stream::{
-    Change, PartitionStream, next_at_epoch, stop_watching, watch_rebalances,
+    Change, Fetched, PartitionStream, prefetch, stop_watching, watch_rebalances,
 };
 use crate::permit::Turn;
+use crate::prefetch::{Held, Share};
 use crate::{ConsumerError, DedupConsumer, Handler};
 
 /// Settings the consumer's guarantees rest on, applied over the caller's.
@@ -54,6 +53,7 @@ pub(crate) fn enforce_required(config: &mut ClientConfig) {
         }
         config.set(*key, *value);
     }
+    crate::prefetch::librdkafka_defaults(config);
 }
 
 impl<P, H> DedupConsumer<P, H>
@@ -78,11 +78,11 @@ where
     ///
     /// Each assigned partition gets its own queue and worker; up to `max_concurrent_partitions`
     /// workers handle batches at once, each partition in order. A worker that falls behind
-    /// holds back only its own partition's fetch (librdkafka stops fetching it at
-    /// `queued.min.messages` messages or `queued.max.messages.kbytes` queued), never the poll
-    /// loop, so heartbeats, rebalances and the other partitions go on. A revoked partition's
-    /// worker handles nothing after the message in hand; what was fetched for it is dropped,
-    /// and the partition's next owner reads it from the committed offset. On shutdown, batches being
+    /// holds back only its own partition's fetch (the partition is paused once it holds its
+    /// share of `prefetch_budget_bytes`, the budget divided by the partitions assigned), never
+    /// the poll loop, so heartbeats, rebalances and the other partitions go on. A revoked
+    /// partition's worker handles nothing after the message in hand; what was fetched for it
+    /// is dropped, and the partition's next owner reads it from the committed offset. On shutdown, batches being
     /// handled finish, queued messages are left for redelivery, stored offsets are committed
     /// within `shutdown_timeout`, and the client is closed off the async runtime, so a dead
     /// broker cannot hang the caller. A message waiting out a retry backoff does not count
@@ -172,9 +172,8 @@ where
     }
 
     /// Handles the messages of `partition`'s own queue in batches, in order, until `stop` or a
-    /// fault. Each message is taken with the partition's revocation count at that moment: a
-    /// batch is one count's messages, and is handled only while the partition is still owned
-    /// at that count.
+    /// fault, while [`prefetch`] takes them from the queue within the partition's share of the
+    /// prefetch budget.
     async fn partition_worker<C: ClientContext + 'static>(
         self,
         consumer: Arc<StreamConsumer<DedupContext<C>>>,
@@ -183,45 +182,65 @@ where
         permits: Arc<Semaphore>,
         stop: CancellationToken,
     ) -> Result<(), ConsumerError> {
+        let (topic, partition) = (partition.0.as_str(), partition.1);
+        let (budget, share) = (&self.inner.prefetch, Share::default());
+        let (sender, fetched) = mpsc::unbounded_channel();
+        let result = tokio::select! {
+            result = self.handle_partition(&consumer, (topic, partition), fetched, &share, &permits, &stop) => result,
+            never = prefetch(&consumer, topic, partition, queue, budget, &share, sender, &stop) => match never {},
+        };
+        // What it had taken and not handled is dropped with it.
+        share.release_all(budget);
+        result
+    }
+
+    /// The worker of [`Self::partition_worker`]. Each message comes with the partition's
+    /// revocation count when it was taken: a batch is one count's messages, and is handled only
+    /// while the partition is still owned at that count.
+    async fn handle_partition<C: ClientContext + 'static>(
+        &self,
+        consumer: &StreamConsumer<DedupContext<C>>,
+        (topic, partition): (&str, i32),
+        mut fetched: mpsc::UnboundedReceiver<Fetched>,
+        share: &Share,
+        permits: &Semaphore,
+        stop: &CancellationToken,
+    ) -> Result<(), ConsumerError> {
         let config = &self.inner.config;
         let context = consumer.context();
-        let (topic, partition) = (partition.0.as_str(), partition.1);
-        let mut stream = queue.stream();
         // A message taken at another count than the batch before it: it starts the next one.
-        let mut carried: Option<(OwnedMessage, u64)> = None;
+        let mut carried: Option<Fetched> = None;
         loop {
-            let (first, epoch) = match carried.take() {
+            let first = match carried.take() {
                 Some(taken) => taken,
-                None => {
-                    let (next, epoch) = tokio::select! {
-                        biased;
-                        () = stop.cancelled() => return Ok(()),
-                        taken = next_at_epoch(&mut stream, context, topic, partition) => taken,
-                    };
-                    match next {
-                        Some(Ok(message)) => (message, epoch),
-                        Some(Err(error)) => {
-                            tracing::warn!(%error, topic, partition, "kafka partition queue error");
-                            continue;
-                        }
+                None => tokio::select! {
+                    biased;
+                    () = stop.cancelled() => return Ok(()),
+                    next = fetched.recv() => match next {
+                        Some(taken) => taken,
                         None => return Ok(()),
-                    }
-                }
+                    },
+                },
             };
+            let epoch = first.epoch;
             // What is queued now, never waiting for more: at low load a batch is one message.
-            let mut messages = vec![first];
+            let mut held = Held {
+                share,
+                budget: &self.inner.prefetch,
+                bytes: first.bytes,
+            };
+            let mut messages = vec![first.message];
             while messages.len() < config.max_batch_size {
-                match next_at_epoch(&mut stream, context, topic, partition).now_or_never() {
-                    Some((Some(Ok(message)), at)) if at == epoch => messages.push(message),
-                    Some((Some(Ok(message)), at)) => {
-                        carried = Some((message, at));
+                match fetched.try_recv() {
+                    Ok(next) if next.epoch == epoch => {
+                        held.bytes += next.bytes;
+                        messages.push(next.message);
+                    }
+                    Ok(next) => {
+                        carried = Some(next);
                         break;
                     }
-                    Some((Some(Err(error)), _)) => {
-                        tracing::warn!(%error, topic, partition, "kafka partition queue error");
-                        break;
-                    }
-                    Some((None, _)) | None => break,
+                    Err(_) => break,
                 }
             }
             let owned = || context.epoch(topic, partition) == epoch;
@@ -236,10 +255,10 @@ where
             let last = messages
                 .last()
                 .unwrap_or_else(|| unreachable!("a batch has a first message"));
-            let mut turn = Turn::take(&permits).await?;
+            let mut turn = Turn::take(permits).await?;
             let mut failures = 0;
             let outcomes = loop {
-                match self.handle_batch(&messages, &stop, &mut turn, &owned).await {
+                match self.handle_batch(&messages, stop, &mut turn, &owned).await {
                     Ok(outcomes) => break outcomes,
                     Err(error) => {
                         // The database is unavailable: retry these messages, never skip them
@@ -248,7 +267,7 @@ where
                             messages = messages.len(), "cannot handle messages; retrying");
                         let delay =
                             outbox_core::backoff(config.backoff_base, config.backoff_max, failures);
-                        if !turn.back_off(delay, &stop).await? {
+                        if !turn.back_off(delay, stop).await? {
                             return Ok(());
                         }
                         failures = failures.saturating_add(1);
@@ -272,7 +291,7 @@ where
             if let Some(message) = done.checked_sub(1).map(|i| &messages[i])
                 && owned()
             {
-                store_offset(&consumer, message);
+                store_offset(consumer, message);
             }
             if outcomes.contains(&Outcome::Abandoned) {
                 return Ok(());

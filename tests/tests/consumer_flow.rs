@@ -264,3 +264,158 @@ async fn run_refuses_a_consumer_with_partitions_assigned_by_hand() -> Result<()>
     assert_eq!(effects(&db.pool, None).await?, (0, 0), "nothing handled");
     Ok(())
 }
+
+/// Sends `per_partition` events of about 1 KB to each of `partitions`, all in flight at once.
+async fn send_backlog(topic: &str, partitions: i32, per_partition: i64) -> Result<()> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .set("linger.ms", "5")
+        .create()?;
+    let pad = "x".repeat(1000);
+    let sends =
+        (0..partitions).flat_map(|partition| (0..per_partition).map(move |n| (partition, n)));
+    let sends = sends.map(|(partition, n)| {
+        let (producer, pad) = (&producer, &pad);
+        async move {
+            let id = EventId::new().to_string();
+            let payload = format!(r#"{{"n":{n},"pad":"{pad}"}}"#);
+            let headers = OwnedHeaders::new().insert(Header {
+                key: "id",
+                value: Some(id.as_bytes()),
+            });
+            producer
+                .send(
+                    FutureRecord::to(topic)
+                        .partition(partition)
+                        .key(&format!("k{partition}"))
+                        .payload(&payload)
+                        .headers(headers),
+                    Duration::from_secs(30),
+                )
+                .await
+                .map_err(|(e, _)| e)
+        }
+    });
+    futures::future::try_join_all(sends).await?;
+    Ok(())
+}
+
+/// What librdkafka's statistics say its partition queues hold, at most and lately.
+#[derive(Debug, Default)]
+struct Queued {
+    peak: std::sync::atomic::AtomicU64,
+    last: std::sync::atomic::AtomicU64,
+    reports: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct QueuedStats(std::sync::Arc<Queued>);
+
+impl rdkafka::ClientContext for QueuedStats {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let bytes: u64 = statistics
+            .topics
+            .values()
+            .flat_map(|t| t.partitions.values())
+            .map(|p| p.fetchq_size)
+            .sum();
+        self.0.last.store(bytes, SeqCst);
+        self.0.peak.fetch_max(bytes, SeqCst);
+        self.0.reports.fetch_add(1, SeqCst);
+    }
+}
+
+/// librdkafka prefetches per partition queue, and each partition has its own: with many
+/// partitions and a backlog, a member held (partitions × `queued.max.messages.kbytes`). The
+/// member's `prefetch_budget_bytes` bounds what it holds as a whole, however many partitions
+/// it owns: librdkafka's queues (its statistics) and the messages taken from them but not yet
+/// handled (`stats().prefetched_bytes`) stay within the budget plus one fetch response and a
+/// small allowance per partition (24 × 130 KB here, against 12 MB of backlog), while every
+/// handler is stuck; then every event is handled once (partitions were paused and
+/// resumed against the real broker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefetch_stays_within_the_budget_whatever_the_partition_count() -> Result<()> {
+    use std::sync::atomic::Ordering::SeqCst;
+    const PARTITIONS: i32 = 24;
+    const PER_PARTITION: i64 = 500;
+    const BUDGET: u64 = 1024 * 1024;
+    // librdkafka's whole fetch response, read into the partitions' queues at once.
+    const ONE_FETCH: u64 = 1024 * 1024;
+    // What librdkafka may hold per partition besides: its queue (`queued.max.messages.kbytes`,
+    // 64 KiB as `stream_consumer` sets it), one fetch of the partition, and the message that
+    // crossed the partition's share.
+    const PARTITION_FETCH: u64 = 64 * 1024;
+    const PER_PARTITION_SLACK: u64 = 64 * 1024 + PARTITION_FETCH + 2048;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(PARTITIONS).await?;
+    send_backlog(&topic, PARTITIONS, PER_PARTITION).await?;
+
+    let gate = CancellationToken::new();
+    let consumer = gated_consumer(
+        db.pool.clone(),
+        // Batches smaller than a partition's backlog, so that most of it waits in the queues.
+        ConsumerConfig::new("c1")
+            .max_batch_size(16)
+            .prefetch_budget_bytes(usize::try_from(BUDGET)?),
+        |_| true,
+        gate.clone(),
+    )?;
+    let queued = QueuedStats::default();
+    let stream = outbox_consumer::stream_consumer_with_context(
+        consumer_config(&kafka_bootstrap(), &unique("g"))
+            .set("statistics.interval.ms", "50")
+            .set("fetch.max.bytes", ONE_FETCH.to_string())
+            .set("max.partition.fetch.bytes", PARTITION_FETCH.to_string()),
+        queued.clone(),
+    )?;
+    stream.subscribe(&[&topic])?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        async move { consumer.run(stream, shutdown).await }
+    });
+
+    // Every handler is stuck: the member fetches until its budget is full, then should stop.
+    let held = || consumer.stats().prefetched_bytes + queued.0.last.load(SeqCst);
+    eventually("the member has fetched its budget", WAIT, || async {
+        Ok(held() >= BUDGET)
+    })
+    .await?;
+    let reports = queued.0.reports.load(SeqCst);
+    eventually("20 more statistics reports", WAIT, || async {
+        Ok(queued.0.reports.load(SeqCst) >= reports + 20)
+    })
+    .await?;
+    let peak = consumer.stats().prefetched_bytes_peak + queued.0.peak.load(SeqCst);
+    let bound = BUDGET + ONE_FETCH + u64::try_from(PARTITIONS)? * PER_PARTITION_SLACK;
+    assert!(
+        peak <= bound,
+        "held {peak} bytes at most (librdkafka's queues {}, taken {}), over the budget \
+         {BUDGET} and one fetch",
+        queued.0.peak.load(SeqCst),
+        consumer.stats().prefetched_bytes_peak
+    );
+
+    gate.cancel();
+    let events = i64::from(PARTITIONS) * PER_PARTITION;
+    eventually("every event has its effect", WAIT, || async {
+        Ok(effects(&db.pool, None).await?.1 == events)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(
+        effects(&db.pool, None).await?,
+        (events, events),
+        "once per event"
+    );
+    assert_eq!(
+        consumer.stats().prefetched_bytes,
+        0,
+        "{:?}",
+        consumer.stats()
+    );
+    Ok(())
+}

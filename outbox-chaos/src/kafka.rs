@@ -74,9 +74,10 @@ pub(crate) async fn set_topic_configs(
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
-    let alter = configs
-        .iter()
-        .fold(AlterConfig::new(ResourceSpecifier::Topic(topic)), |a, (k, v)| a.set(k, v));
+    let alter = configs.iter().fold(
+        AlterConfig::new(ResourceSpecifier::Topic(topic)),
+        |a, (k, v)| a.set(k, v),
+    );
     let results = admin
         .alter_configs(
             [&alter],

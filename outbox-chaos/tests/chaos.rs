@@ -132,7 +132,11 @@ fn cluster_profile_keeps_every_guarantee_when_partition_leaders_die() {
     // Then one node of three down, with the topic taking writes and with it refusing them
     // (min.insync.replicas 3): Metadata answers throughout, and no row is charged for it.
     for fault in ["partial_outage", "isr_outage"] {
-        assert_eq!(number(&fields, fault), 1, "no {fault} in the run: {fields:?}");
+        assert_eq!(
+            number(&fields, fault),
+            1,
+            "no {fault} in the run: {fields:?}"
+        );
         seconds(&fields, &format!("liveness_{fault}_s"));
     }
     assert_eq!(number(&fields, "liveness_exceeded"), 0, "{fields:?}");

@@ -28,7 +28,11 @@ impl LongFaultPhase<'_> {
             .await?;
         let down = Instant::now();
         lock(self.fleet).counts.add(Kind::PartialOutage, 1);
-        tracing::info!(node, ?downtime, "long fault: one node of three killed; the topic still takes writes");
+        tracing::info!(
+            node,
+            ?downtime,
+            "long fault: one node of three killed; the topic still takes writes"
+        );
         let watermark = self.mark().await?;
         let writable = self.time_drain(watermark, None, down).await?;
         if writable >= downtime {
@@ -44,7 +48,11 @@ impl LongFaultPhase<'_> {
             .restart_leader(self.topic, 0, Down::Kill9, downtime)
             .await?;
         lock(self.fleet).counts.add(Kind::IsrOutage, 1);
-        tracing::info!(node, ?downtime, "long fault: one node of three killed; the topic refuses writes (min.insync.replicas 3)");
+        tracing::info!(
+            node,
+            ?downtime,
+            "long fault: one node of three killed; the topic refuses writes (min.insync.replicas 3)"
+        );
         self.broker.wait_ready().await?;
         let back = Instant::now();
         tracing::info!(

@@ -11,11 +11,10 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
 
 use crate::consumer::bump;
-use crate::failure::{
-    AttemptError, TRANSACTION_OPEN, describe, handler_sql_error, is_connection_lost, is_outage,
-};
+use crate::failure::{AttemptError, describe, handler_sql_error, is_connection_lost, is_outage};
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, is_missing_slice};
 use crate::{
@@ -159,7 +158,7 @@ where
         }
         let verdict = match run_handler(&inner.handler, event, &mut tx).await {
             Err(error) => Err(handler_failure(&inner.pool, error).await),
-            Ok(()) => check_open(&inner.pool, &mut tx).await,
+            Ok(()) => check_open(inner, &mut tx, id, slice).await,
         };
         if let Err(failure) = verdict {
             if let Err(error) = tx.rollback().await
@@ -214,20 +213,31 @@ pub(crate) async fn handler_failure(pool: &PgPool, error: HandlerError) -> Attem
     }
 }
 
-/// Before COMMIT, after the handlers returned `Ok`: whether the transaction can still
-/// commit. Postgres answers COMMIT in an aborted transaction with `ROLLBACK` and no error,
-/// and sqlx does not read that answer, so a handler that ignored a failed statement would
-/// otherwise pass for committed. One statement per transaction, not per message.
-pub(crate) async fn check_open(pool: &PgPool, conn: &mut PgConnection) -> Result<(), AttemptError> {
-    match sqlx::query_scalar::<_, bool>(TRANSACTION_OPEN)
+/// Before COMMIT, after the handlers returned `Ok`: whether the transaction open on `conn`
+/// is the one that inserted `id`'s dedup row (in `slice`), and can still commit. Postgres
+/// answers COMMIT in an aborted transaction with `ROLLBACK` and no error, and sqlx does not
+/// read that answer, so a handler that ignored a failed statement would otherwise pass for
+/// committed; a handler that ran `ROLLBACK; BEGIN` would leave a transaction open without the
+/// dedup rows or the effects before it. One statement per transaction, not per message.
+pub(crate) async fn check_open<P, H>(
+    inner: &crate::consumer::Inner<P, H>,
+    conn: &mut PgConnection,
+    id: Uuid,
+    slice: i32,
+) -> Result<(), AttemptError> {
+    match sqlx::query_scalar::<_, bool>(inner.sql.holds_dedup_row.clone())
+        .bind(&inner.name)
+        .bind(id)
+        .bind(slice)
         .fetch_one(conn)
         .await
     {
         Ok(true) => Ok(()),
         Ok(false) => Err(AttemptError::aborted_by_handler(
-            "the handler ended the transaction itself",
+            "the handler ended the transaction itself (its dedup row is not in the transaction \
+             open at COMMIT)",
         )),
-        Err(error) if is_outage(pool, &error).await => Err(AttemptError::Unavailable(error)),
+        Err(error) if is_outage(&inner.pool, &error).await => Err(AttemptError::Unavailable(error)),
         Err(error) => Err(AttemptError::aborted_by_handler(&describe(&error))),
     }
 }

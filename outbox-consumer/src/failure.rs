@@ -8,23 +8,22 @@
 //! A handler can also end its transaction's chance to commit without saying so: it ignores a
 //! failed statement (the transaction is then aborted, and Postgres answers its COMMIT with
 //! `ROLLBACK` and no error, which sqlx does not read), or it holds the connection past the
-//! server's `idle_in_transaction_session_timeout` (the server ends the session). So a
-//! transaction is checked before its COMMIT ([`TRANSACTION_OPEN`]), and what the check finds is
-//! the handler's failure (`handler_aborted_transaction`). A connection lost under a handler is
-//! an outage only if the database does not answer on another one.
+//! server's `idle_in_transaction_session_timeout` (the server ends the session), or it ends
+//! the transaction itself (`ROLLBACK`, `COMMIT`, perhaps followed by a `BEGIN` of another).
+//! So before its COMMIT, a transaction is checked to be the one that inserted the dedup rows,
+//! and still able to commit (`ConsumerSql::holds_dedup_row`, one statement per transaction),
+//! and what the check finds is the handler's failure (`handler_aborted_transaction`). A
+//! handler's `ROLLBACK` in a batch lets the handlers after it write in autocommit: that is
+//! found too, but their writes stay (a handler must never end its transaction). A connection
+//! lost under a handler is an outage only if the database does not answer on another one.
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 
 /// The quarantine reason of a handler that returned `Ok` on a transaction that can no longer
 /// commit.
 pub(crate) const HANDLER_ABORTED: &str = "handler_aborted_transaction";
-
-/// Run before COMMIT: fails with SQLSTATE 25P02 in an aborted transaction (and with the
-/// server's error if it ended the session), and is false if the handler itself ended the
-/// transaction (a COMMIT or ROLLBACK of its own; the dedup insert assigned it an id).
-pub(crate) const TRANSACTION_OPEN: &str = "SELECT txid_current_if_assigned() IS NOT NULL";
 
 /// How long the database is given to answer on another connection before a lost connection
 /// is taken for an outage.
@@ -61,7 +60,7 @@ impl AttemptError {
         }
     }
 
-    /// What the check before COMMIT ([`TRANSACTION_OPEN`]) found after the handler returned
+    /// What the check before COMMIT (`ConsumerSql::holds_dedup_row`) found after the handler returned
     /// `Ok`: the transaction cannot commit, and that is the handler's failure.
     pub(crate) fn aborted_by_handler(error: &str) -> Self {
         Self::Failed {
@@ -153,12 +152,22 @@ pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
 }
 
-/// Whether the database answers on another connection of `pool`. A transaction's connection
-/// lost while a handler held it (the server ends a session idle in a transaction past
-/// `idle_in_transaction_session_timeout`) is that transaction's failure if it does; otherwise
-/// the database is unavailable.
+/// Whether the database answers on a connection of its own, made with `pool`'s options. A
+/// transaction's connection lost while a handler held it (the server ends a session idle in a
+/// transaction past `idle_in_transaction_session_timeout`) is that transaction's failure if it
+/// does; otherwise the database is unavailable. Not a connection of `pool`: the lost one is
+/// still taken from it until the transaction is dropped, so a pool of one connection, or one
+/// whose connections are all busy, would make every such question time out, and the message
+/// be retried as if in an outage forever.
 pub(crate) async fn database_answers(pool: &PgPool) -> bool {
-    let probe = sqlx::query("SELECT 1").execute(pool);
+    let options = pool.connect_options();
+    let probe = async {
+        let mut conn = PgConnection::connect_with(&options).await?;
+        let answer = sqlx::query("SELECT 1").execute(&mut conn).await;
+        // Closing says goodbye to the server; an error doing so changes nothing.
+        let _ = conn.close().await;
+        answer
+    };
     matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
 }
 

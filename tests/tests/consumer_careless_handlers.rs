@@ -419,6 +419,132 @@ async fn a_handler_that_ends_the_transaction_is_found_out() -> Result<()> {
     Ok(())
 }
 
+/// A TCP proxy to the database whose connections can be cut (a network reset, a failover
+/// behind a load balancer): the client sees its connection lost, the server no error.
+#[derive(Debug, Clone, Default)]
+struct CuttableProxy {
+    port: u16,
+    open: Arc<Mutex<Vec<(CancellationToken, tokio::task::JoinHandle<()>)>>>,
+}
+
+impl CuttableProxy {
+    async fn start() -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let proxy = Self {
+            port: listener.local_addr()?.port(),
+            open: Arc::default(),
+        };
+        let open = proxy.open.clone();
+        let upstream = PgConnectOptions::from_str(&outbox_tests::database_url())?;
+        let upstream = format!("{}:{}", upstream.get_host(), upstream.get_port());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let cut = CancellationToken::new();
+                let task = tokio::spawn({
+                    let cut = cut.clone();
+                    async move {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                            () = cut.cancelled() => {}
+                        }
+                    }
+                });
+                open.lock().unwrap_or_else(|p| p.into_inner()).push((cut, task));
+            }
+        });
+        Ok(proxy)
+    }
+
+    /// Closes every connection open now, and returns once they are closed.
+    async fn cut(&self) {
+        let open = std::mem::take(&mut *self.open.lock().unwrap_or_else(|p| p.into_inner()));
+        for (cut, task) in open {
+            cut.cancel();
+            let _ = task.await;
+        }
+    }
+}
+
+/// Fails its message's first attempt, cuts the connections under its second and returns
+/// the error its statement meets, records the effect on later ones.
+#[derive(Debug, Clone)]
+struct CutUnder {
+    proxy: CuttableProxy,
+    calls: Arc<Mutex<u32>>,
+}
+
+impl Handler<Step> for CutUnder {
+    async fn handle(
+        &self,
+        event: &Event<Step>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let call = {
+            let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+            *calls += 1;
+            *calls
+        };
+        match call {
+            1 => return Err(HandlerError::retry("first attempt fails")),
+            2 => self.proxy.cut().await,
+            _ => {}
+        }
+        sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+            .bind(event.payload.n)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A connection lost under a message retried alone, with the database answering on a new
+/// one, is no failure of the message unless its handler held the transaction for as long as
+/// the server ends such sessions after (`idle_in_transaction_session_timeout`): a network
+/// reset or a failover behind a proxy costs the message no attempt.
+/// Fails before the fix: the message was blamed for it (its second and last attempt) and
+/// quarantined as `handler_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_under_a_brief_handler_costs_its_message_no_attempt() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let proxy = CuttableProxy::start().await?;
+    let options = PgConnectOptions::from_str(&outbox_tests::database_url())?
+        .host("127.0.0.1")
+        .port(proxy.port)
+        .options([
+            ("search_path", db.schema.as_str()),
+            ("idle_in_transaction_session_timeout", "10s"),
+        ]);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    let handler = CutUnder {
+        proxy: proxy.clone(),
+        calls: Arc::default(),
+    };
+    let c = DedupConsumer::new(pool, config(), handler)?;
+    let (ids, messages) = batch(1);
+    let cancel = CancellationToken::new();
+    let first = c.process_batch(&messages, &cancel).await;
+    assert!(
+        matches!(first, Err(outbox_consumer::ConsumerError::Database(_))),
+        "an outage, retried without counting: {first:?}"
+    );
+    assert_eq!(
+        c.process_batch(&messages, &cancel).await?,
+        [Outcome::Processed]
+    );
+    assert_eq!(c.stats().handler_errors, 1, "{:?}", c.stats());
+    assert_eq!(quarantined(&db.pool).await?, []);
+    assert_eq!(effects(&db.pool).await?, [0]);
+    assert_eq!(dedup_rows(&db.pool, &ids).await?, 1);
+    Ok(())
+}
+
 /// A statement cancelled by `statement_timeout` (57014) is its handler's failure when it
 /// returns it, and aborts the transaction when it does not.
 /// Fails before the fix: the handler after the one that ignored the timeout was blamed, and

@@ -305,7 +305,7 @@ where
             Some((id, slices[ids.iter().position(|i| *i == id)?]))
         });
         if let Some((id, slice)) = first {
-            outcomes = match check_open(inner, &mut tx, id, slice).await {
+            outcomes = match check_open(inner, &mut tx, id, slice, None).await {
                 Ok(()) => outcomes,
                 Err(AttemptError::Unavailable(error)) => Err(BatchFailure::Unavailable(error)),
                 // Which handler left it so is unknown: each message is replayed alone, and

@@ -419,12 +419,15 @@ async fn a_handler_that_ends_the_transaction_is_found_out() -> Result<()> {
     Ok(())
 }
 
+/// A proxied connection: what cuts it, and its task.
+type Proxied = (CancellationToken, tokio::task::JoinHandle<()>);
+
 /// A TCP proxy to the database whose connections can be cut (a network reset, a failover
 /// behind a load balancer): the client sees its connection lost, the server no error.
 #[derive(Debug, Clone, Default)]
 struct CuttableProxy {
     port: u16,
-    open: Arc<Mutex<Vec<(CancellationToken, tokio::task::JoinHandle<()>)>>>,
+    open: Arc<Mutex<Vec<Proxied>>>,
 }
 
 impl CuttableProxy {
@@ -452,7 +455,9 @@ impl CuttableProxy {
                         }
                     }
                 });
-                open.lock().unwrap_or_else(|p| p.into_inner()).push((cut, task));
+                open.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((cut, task));
             }
         });
         Ok(proxy)

@@ -195,15 +195,22 @@ pub(crate) async fn is_outage(pool: &PgPool, error: &sqlx::Error) -> bool {
 /// lost with the database answering is the message's failure only if the server could have
 /// ended the session for the handler's holding it (it sends its reason, SQLSTATE 25P03, to the
 /// next statement, which the handler may have swallowed, and closes the connection): the
-/// transaction was held at least as long as the server's timeout. Otherwise it was cut from
-/// outside (a network reset, a failover behind a proxy), and the message is retried without
-/// counting.
+/// transaction was held at least as long as the server's timeout. Otherwise the connection
+/// was cut from outside (a network reset, a failover behind a proxy), and the message is
+/// retried without counting. A protocol error stays this connection's (and the message's).
 pub(crate) async fn is_outage_alone(pool: &PgPool, error: &sqlx::Error, held: Duration) -> bool {
-    is_unavailable(error)
-        && !(is_connection_lost(error)
-            && database_answers(pool)
-                .await
-                .is_some_and(|timeout| !timeout.is_zero() && held >= timeout))
+    if !is_unavailable(error) {
+        return false;
+    }
+    if !is_connection_lost(error) {
+        return true;
+    }
+    match database_answers(pool).await {
+        None => true,
+        Some(timeout) => {
+            matches!(error, sqlx::Error::Io(_)) && (timeout.is_zero() || held < timeout)
+        }
+    }
 }
 
 /// The `sqlx::Error` a handler returned as is, if it did.

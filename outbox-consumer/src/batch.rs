@@ -22,7 +22,7 @@
 //! unable to commit while returning `Ok` (it ignored a failed statement, or held the
 //! connection until the server ended the session): a later handler's statement then fails
 //! with 25P02 or 25P03, which blames no one, or the statement run before COMMIT does
-//! (`failure::TRANSACTION_OPEN`; without it, COMMIT would answer `ROLLBACK` silently).
+//! (`ConsumerSql::holds_dedup_row`; without it, COMMIT would answer `ROLLBACK` silently).
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -173,10 +173,19 @@ where
         Ok(self.metered(outcomes, started))
     }
 
+    /// Records the metrics of a call's final `outcomes`, and the counters of the outcomes
+    /// that involve no transaction: a batch decoded again after an outage, or revoked, counts
+    /// nothing twice.
     fn metered(&self, outcomes: Vec<Outcome>, started: std::time::Instant) -> Vec<Outcome> {
-        let name = &self.inner.name;
+        let inner = &*self.inner;
+        let name = &inner.name;
         let seconds = started.elapsed().as_secs_f64();
         for outcome in &outcomes {
+            match outcome {
+                Outcome::DuplicateCached => bump(&inner.counters.duplicates_cached),
+                Outcome::NotForUs => bump(&inner.counters.not_for_us),
+                _ => {}
+            }
             crate::consumer::record_metric(name, outcome);
             metrics::histogram!("outbox_consumer_message_seconds", "consumer" => name.clone())
                 .record(seconds);
@@ -186,13 +195,12 @@ where
 
     fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
         let inner = &*self.inner;
-        if crate::requeue::for_another(&inner.name, &inner.counters, message) {
+        if crate::requeue::for_another(&inner.name, message) {
             return Item::NotForUs;
         }
         match decode::decode(&inner.config, message) {
             Err(rejected) => Item::Rejected(rejected),
             Ok(event) if inner.cache.contains_key(event.id.as_uuid()) => {
-                bump(&inner.counters.duplicates_cached);
                 tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");
                 Item::Cached
             }
@@ -274,7 +282,7 @@ where
             .without_recorded_late(&mut tx, &place, ids, slices)
             .await
             .map_err(BatchFailure::from_statement)?;
-        let new = match self.insert_ids(&mut tx, ids, &slices, recorded).await {
+        let new = match self.insert_ids(&mut tx, &ids, &slices, recorded).await {
             Ok(new) => new,
             Err(failure) => {
                 if matches!(failure, BatchFailure::Recorded) {
@@ -286,10 +294,18 @@ where
         let mut outcomes = self
             .run_items(&mut tx, messages, items, &new, &place, owned)
             .await;
-        if let Ok(done) = &outcomes
-            && done.contains(&Outcome::Processed)
-        {
-            outcomes = match check_open(&inner.pool, &mut tx).await {
+        // The first message processed: its dedup row tells whether the transaction open now
+        // is the one that inserted the batch's rows.
+        let first = outcomes.as_ref().ok().and_then(|done| {
+            let at = done.iter().position(|o| *o == Outcome::Processed)?;
+            let Item::Event(event) = &items[at] else {
+                return None;
+            };
+            let id = *event.id.as_uuid();
+            Some((id, slices[ids.iter().position(|i| *i == id)?]))
+        });
+        if let Some((id, slice)) = first {
+            outcomes = match check_open(inner, &mut tx, id, slice, None).await {
                 Ok(()) => outcomes,
                 Err(AttemptError::Unavailable(error)) => Err(BatchFailure::Unavailable(error)),
                 // Which handler left it so is unknown: each message is replayed alone, and
@@ -324,7 +340,7 @@ where
     async fn insert_ids(
         &self,
         tx: &mut Transaction<'static, Postgres>,
-        ids: Vec<Uuid>,
+        ids: &[Uuid],
         slices: &[i32],
         recorded: bool,
     ) -> Result<HashSet<Uuid>, BatchFailure> {
@@ -342,7 +358,7 @@ where
         if recorded || inner.expect_duplicates.load(Ordering::Relaxed) {
             let new: HashSet<Uuid> = sqlx::query_scalar(inner.sql.insert_dedup_batch.clone())
                 .bind(&inner.name)
-                .bind(&ids)
+                .bind(ids)
                 .bind(slices)
                 .fetch_all(&mut **tx)
                 .await
@@ -356,12 +372,12 @@ where
         }
         match sqlx::query(inner.sql.insert_new_dedup_batch.clone())
             .bind(&inner.name)
-            .bind(&ids)
+            .bind(ids)
             .bind(slices)
             .execute(&mut **tx)
             .await
         {
-            Ok(_) => Ok(ids.into_iter().collect()),
+            Ok(_) => Ok(ids.iter().copied().collect()),
             Err(sqlx::Error::Database(e)) if e.kind() == ErrorKind::UniqueViolation => {
                 tracing::debug!(consumer = %inner.name, "batch meets a recorded id; inserting with ON CONFLICT");
                 inner.expect_duplicates.store(true, Ordering::Relaxed);

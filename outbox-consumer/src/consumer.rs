@@ -31,6 +31,8 @@ pub enum Outcome {
     /// Stored in the quarantine table, with this reason: the record breaks the contract or a
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_header_name`: a header name that is not UTF-8 or has a NUL inside,
+    /// `invalid_requeue_header`: an `outbox-requeue-for` header naming no consumer (no value,
+    /// an empty one, or one that is not UTF-8),
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
     /// `too_large`, `id_ahead`: a UUIDv7 id dated more than a day ahead of this machine's
     /// clock), or its attempts ran out (`handler_failed`: the handler returned an error

@@ -61,6 +61,11 @@ pub(crate) fn decode<P: DeserializeOwned>(
         let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
         return Err(Rejected::new("invalid_header_name", error, id));
     }
+    // A requeue header naming no consumer: every consumer would take the copy for another's.
+    if let Err(error) = crate::requeue::targets(&read) {
+        let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
+        return Err(Rejected::new("invalid_requeue_header", error, id));
+    }
     let raw_headers: Vec<RawHeader> = whole()
         .map(|(name, value)| (name.to_owned(), value.map(<[u8]>::to_vec)))
         .collect();

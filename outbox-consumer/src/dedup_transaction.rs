@@ -4,6 +4,7 @@
 //! otherwise; see [`crate::failure`] for what counts as a failed attempt.
 
 use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use rdkafka::message::OwnedMessage;
@@ -11,10 +12,11 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
 
 use crate::consumer::bump;
 use crate::failure::{
-    AttemptError, TRANSACTION_OPEN, describe, handler_sql_error, is_connection_lost, is_outage,
+    AttemptError, describe, handler_sql_error, is_connection_lost, is_outage, is_outage_alone,
 };
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, is_missing_slice};
@@ -122,6 +124,7 @@ where
             .await
             .map_err(AttemptError::Unavailable)?;
         let mut tx = inner.pool.begin().await.map_err(statement)?;
+        let began = Instant::now();
         bump(&inner.counters.transactions);
         // A late id (dated on the window's oldest day or before) found in any slice is a
         // duplicate (`slice.rs`).
@@ -158,8 +161,8 @@ where
             return Ok(Outcome::DuplicateStored);
         }
         let verdict = match run_handler(&inner.handler, event, &mut tx).await {
-            Err(error) => Err(handler_failure(&inner.pool, error).await),
-            Ok(()) => check_open(&inner.pool, &mut tx).await,
+            Err(error) => Err(handler_failure(&inner.pool, error, began.elapsed()).await),
+            Ok(()) => check_open(inner, &mut tx, id, slice, Some(began)).await,
         };
         if let Err(failure) = verdict {
             if let Err(error) = tx.rollback().await
@@ -196,14 +199,21 @@ pub(crate) async fn run_handler<P, H: Handler<P>>(
 }
 
 /// What a handler's error counts as: [`AttemptError::from_handler`], except that the
-/// transaction's connection lost under the handler is its failure if the database answers on
-/// another connection (the server ended the session the handler held too long).
-pub(crate) async fn handler_failure(pool: &PgPool, error: HandlerError) -> AttemptError {
+/// transaction's connection lost under the handler is its failure if the server ended the
+/// session for its holding it (`is_outage_alone`: the transaction was `held` that long, and the
+/// database answers on another connection).
+pub(crate) async fn handler_failure(
+    pool: &PgPool,
+    error: HandlerError,
+    held: Duration,
+) -> AttemptError {
     let lost = handler_sql_error(&error)
         .filter(|e| is_connection_lost(e))
         .map(describe);
     match (AttemptError::from_handler(error), lost) {
-        (AttemptError::Unavailable(error), Some(lost)) if !is_outage(pool, &error).await => {
+        (AttemptError::Unavailable(error), Some(lost))
+            if !is_outage_alone(pool, &error, held).await =>
+        {
             AttemptError::Failed {
                 reason: "handler_failed",
                 error: lost,
@@ -214,20 +224,41 @@ pub(crate) async fn handler_failure(pool: &PgPool, error: HandlerError) -> Attem
     }
 }
 
-/// Before COMMIT, after the handlers returned `Ok`: whether the transaction can still
-/// commit. Postgres answers COMMIT in an aborted transaction with `ROLLBACK` and no error,
-/// and sqlx does not read that answer, so a handler that ignored a failed statement would
-/// otherwise pass for committed. One statement per transaction, not per message.
-pub(crate) async fn check_open(pool: &PgPool, conn: &mut PgConnection) -> Result<(), AttemptError> {
-    match sqlx::query_scalar::<_, bool>(TRANSACTION_OPEN)
+/// Before COMMIT, after the handlers returned `Ok`: whether the transaction open on `conn`
+/// is the one that inserted `id`'s dedup row (in `slice`), and can still commit. Postgres
+/// answers COMMIT in an aborted transaction with `ROLLBACK` and no error, and sqlx does not
+/// read that answer, so a handler that ignored a failed statement would otherwise pass for
+/// committed; a handler that ran `ROLLBACK; BEGIN` would leave a transaction open without the
+/// dedup rows or the effects before it. One statement per transaction, not per message.
+/// `alone`: when the transaction of one message began (see `is_outage_alone`); a batch's is
+/// replayed a message at a time when its connection was lost with the database answering.
+pub(crate) async fn check_open<P, H>(
+    inner: &crate::consumer::Inner<P, H>,
+    conn: &mut PgConnection,
+    id: Uuid,
+    slice: i32,
+    alone: Option<Instant>,
+) -> Result<(), AttemptError> {
+    match sqlx::query_scalar::<_, bool>(inner.sql.holds_dedup_row.clone())
+        .bind(&inner.name)
+        .bind(id)
+        .bind(slice)
         .fetch_one(conn)
         .await
     {
         Ok(true) => Ok(()),
         Ok(false) => Err(AttemptError::aborted_by_handler(
-            "the handler ended the transaction itself",
+            "the handler ended the transaction itself (its dedup row is not in the transaction \
+             open at COMMIT)",
         )),
-        Err(error) if is_outage(pool, &error).await => Err(AttemptError::Unavailable(error)),
+        Err(error)
+            if match alone {
+                Some(began) => is_outage_alone(&inner.pool, &error, began.elapsed()).await,
+                None => is_outage(&inner.pool, &error).await,
+            } =>
+        {
+            Err(AttemptError::Unavailable(error))
+        }
         Err(error) => Err(AttemptError::aborted_by_handler(&describe(&error))),
     }
 }

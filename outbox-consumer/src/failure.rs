@@ -8,23 +8,24 @@
 //! A handler can also end its transaction's chance to commit without saying so: it ignores a
 //! failed statement (the transaction is then aborted, and Postgres answers its COMMIT with
 //! `ROLLBACK` and no error, which sqlx does not read), or it holds the connection past the
-//! server's `idle_in_transaction_session_timeout` (the server ends the session). So a
-//! transaction is checked before its COMMIT ([`TRANSACTION_OPEN`]), and what the check finds is
-//! the handler's failure (`handler_aborted_transaction`). A connection lost under a handler is
-//! an outage only if the database does not answer on another one.
+//! server's `idle_in_transaction_session_timeout` (the server ends the session), or it ends
+//! the transaction itself (`ROLLBACK`, `COMMIT`, perhaps followed by a `BEGIN` of another).
+//! So before its COMMIT, a transaction is checked to be the one that inserted the dedup rows,
+//! and still able to commit (`ConsumerSql::holds_dedup_row`, one statement per transaction),
+//! and what the check finds is the handler's failure (`handler_aborted_transaction`). A
+//! handler's `ROLLBACK` in a batch lets the handlers after it write in autocommit: that is
+//! found too, but their writes stay (a handler must never end its transaction). A connection
+//! lost under a handler is an outage if the database does not answer on another one, or if
+//! the handler did not hold the transaction long enough for the server to end its session
+//! (then it was cut from outside: a network reset, a failover).
 
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 
 /// The quarantine reason of a handler that returned `Ok` on a transaction that can no longer
 /// commit.
 pub(crate) const HANDLER_ABORTED: &str = "handler_aborted_transaction";
-
-/// Run before COMMIT: fails with SQLSTATE 25P02 in an aborted transaction (and with the
-/// server's error if it ended the session), and is false if the handler itself ended the
-/// transaction (a COMMIT or ROLLBACK of its own; the dedup insert assigned it an id).
-pub(crate) const TRANSACTION_OPEN: &str = "SELECT txid_current_if_assigned() IS NOT NULL";
 
 /// How long the database is given to answer on another connection before a lost connection
 /// is taken for an outage.
@@ -61,7 +62,7 @@ impl AttemptError {
         }
     }
 
-    /// What the check before COMMIT ([`TRANSACTION_OPEN`]) found after the handler returned
+    /// What the check before COMMIT (`ConsumerSql::holds_dedup_row`) found after the handler returned
     /// `Ok`: the transaction cannot commit, and that is the handler's failure.
     pub(crate) fn aborted_by_handler(error: &str) -> Self {
         Self::Failed {
@@ -153,20 +154,63 @@ pub(crate) fn is_connection_lost(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Io(_) | sqlx::Error::Protocol(_))
 }
 
-/// Whether the database answers on another connection of `pool`. A transaction's connection
-/// lost while a handler held it (the server ends a session idle in a transaction past
-/// `idle_in_transaction_session_timeout`) is that transaction's failure if it does; otherwise
-/// the database is unavailable.
-pub(crate) async fn database_answers(pool: &PgPool) -> bool {
-    let probe = sqlx::query("SELECT 1").execute(pool);
-    matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
+/// Whether the database answers on a connection of its own, made with `pool`'s options, and
+/// if so after how long it ends a session idle in a transaction
+/// (`idle_in_transaction_session_timeout`, or `transaction_timeout` where it exists, whichever
+/// is shorter; zero: never). Not a connection of `pool`: the lost one is still taken from it
+/// until its transaction is dropped, so a pool of one connection, or one whose connections
+/// are all busy, would make every such question time out, and the message be retried as if in
+/// an outage forever.
+pub(crate) async fn database_answers(pool: &PgPool) -> Option<Duration> {
+    let options = pool.connect_options();
+    let probe = async {
+        let mut conn = PgConnection::connect_with(&options).await?;
+        let answer = sqlx::query_scalar::<_, i64>(SESSION_TIMEOUT)
+            .fetch_one(&mut conn)
+            .await;
+        // Closing says goodbye to the server; an error doing so changes nothing.
+        let _ = conn.close().await;
+        answer
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+        Ok(Ok(ms)) => Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+        _ => None,
+    }
 }
 
-/// Whether `error`, met on the connection of a transaction a handler ran on, means the
+/// The shortest of the server's timeouts that end a session in a transaction, in
+/// milliseconds (0: none is set).
+const SESSION_TIMEOUT: &str = "SELECT COALESCE(min(setting::bigint) FILTER (WHERE setting <> '0'), 0) \
+     FROM pg_settings WHERE name IN ('idle_in_transaction_session_timeout', 'transaction_timeout')";
+
+/// Whether `error`, met on the connection of a transaction that handlers ran on, means the
 /// database is unavailable: a connection lost is only if the database does not answer on
-/// another one either.
+/// another one either. (In a batch the messages are then replayed alone, and the one at
+/// fault, if any, is found by [`is_outage_alone`].)
 pub(crate) async fn is_outage(pool: &PgPool, error: &sqlx::Error) -> bool {
-    is_unavailable(error) && !(is_connection_lost(error) && database_answers(pool).await)
+    is_unavailable(error) && !(is_connection_lost(error) && database_answers(pool).await.is_some())
+}
+
+/// [`is_outage`] for the transaction of one message, `held` since it began. Its connection
+/// lost with the database answering is the message's failure only if the server could have
+/// ended the session for the handler's holding it (it sends its reason, SQLSTATE 25P03, to the
+/// next statement, which the handler may have swallowed, and closes the connection): the
+/// transaction was held at least as long as the server's timeout. Otherwise the connection
+/// was cut from outside (a network reset, a failover behind a proxy), and the message is
+/// retried without counting. A protocol error stays this connection's (and the message's).
+pub(crate) async fn is_outage_alone(pool: &PgPool, error: &sqlx::Error, held: Duration) -> bool {
+    if !is_unavailable(error) {
+        return false;
+    }
+    if !is_connection_lost(error) {
+        return true;
+    }
+    match database_answers(pool).await {
+        None => true,
+        Some(timeout) => {
+            matches!(error, sqlx::Error::Io(_)) && (timeout.is_zero() || held < timeout)
+        }
+    }
 }
 
 /// The `sqlx::Error` a handler returned as is, if it did.

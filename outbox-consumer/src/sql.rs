@@ -24,6 +24,13 @@ pub(crate) struct ConsumerSql {
     /// lock overlapping sets cannot deadlock on them. An id's lock is one of
     /// [`LATE_ID_LOCKS`] per (dedup table, consumer).
     pub(crate) lock_late_ids: SqlStr,
+    /// Run before COMMIT (`failure.rs`): whether the dedup row of consumer `$1`, id `$2`, slice
+    /// `$3` is visible and was inserted by the transaction now open. Fails with SQLSTATE 25P02
+    /// in an aborted transaction (and with the server's error if it ended the session); false
+    /// if the transaction that holds the dedup rows was ended by a handler (`ROLLBACK`, or
+    /// `COMMIT`, with or without a `BEGIN` after it). A row's `xmin` is the 32-bit `xid` of
+    /// the transaction that inserted it; the current transaction's is the `xid8` cast down.
+    pub(crate) holds_dedup_row: SqlStr,
     /// The ids of `$2` recorded for consumer `$1` in any slice.
     pub(crate) find_recorded: SqlStr,
     pub(crate) quarantine: SqlStr,
@@ -63,6 +70,11 @@ impl ConsumerSql {
                         $1 || '/' || $2 || '/' || (hashtext(id::text) & {mask}), 0) AS k \
                     FROM unnest($3::uuid[]) AS t(id) ORDER BY k) AS keys",
                 mask = LATE_ID_LOCKS - 1
+            ))
+            .into_sql_str(),
+            holds_dedup_row: AssertSqlSafe(format!(
+                "SELECT EXISTS (SELECT FROM {dedup} WHERE consumer = $1 AND event_id = $2 \
+                 AND slice = $3 AND xmin = pg_current_xact_id_if_assigned()::xid)"
             ))
             .into_sql_str(),
             find_recorded: AssertSqlSafe(format!(

@@ -509,3 +509,105 @@ async fn a_requeued_copy_is_handled_by_the_consumer_it_names_alone() -> Result<(
     assert_eq!(c.stats().not_for_us, 4);
     Ok(())
 }
+
+/// A record on partition 0 of `t` at `offset` whose headers may lack a value.
+fn record_maybe(offset: i64, headers: &[(&str, Option<&[u8]>)], payload: &[u8]) -> OwnedMessage {
+    let headers = headers
+        .iter()
+        .fold(rdkafka::message::OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(rdkafka::message::Header { key, value: *value })
+        });
+    OwnedMessage::new(
+        Some(payload.to_vec()),
+        Some(b"k".to_vec()),
+        "t".into(),
+        rdkafka::Timestamp::NotAvailable,
+        0,
+        offset,
+        Some(headers),
+    )
+}
+
+/// A requeue header that names no consumer (no value, an empty one, one that is not UTF-8)
+/// makes no copy: every consumer would skip it as another's. It is quarantined.
+/// Fails before the fix: each of them was `NotForUs`, skipped by every consumer, its offset
+/// stored: never handled, never quarantined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_header_naming_no_consumer_is_quarantined_not_skipped() -> Result<()> {
+    use outbox_core::wire::HEADER_REQUEUE_FOR as FOR;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let ids: Vec<String> = (0..4).map(|_| EventId::new().to_string()).collect();
+    let event = |n: usize, to: Option<&'static [u8]>| {
+        let headers = [("id", Some(ids[n].as_bytes())), (FOR, to)];
+        record_maybe(n as i64, &headers, format!(r#"{{"n":{n}}}"#).as_bytes())
+    };
+    let messages = [
+        event(0, None),
+        event(1, Some(b"")),
+        event(2, Some(b"\xffc2")),
+        event(3, Some(b"c2")),
+    ];
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    let invalid = Outcome::Quarantined("invalid_requeue_header");
+    assert_eq!(
+        outcomes,
+        [invalid.clone(), invalid.clone(), invalid, Outcome::NotForUs]
+    );
+    assert_eq!(effects(&db.pool).await?, [] as [i64; 0]);
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM outbox_consumer_quarantine ORDER BY \"offset\"")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(reasons, ["invalid_requeue_header"; 3]);
+    assert_eq!(c.stats().not_for_us, 1);
+    Ok(())
+}
+
+/// `stats()` counts each message's outcome once, as the metrics do: a batch the database
+/// could not take (it is delivered again) has no outcome yet, and counts nothing.
+/// Fails before the fix: its copy for another consumer and its cached duplicate were counted
+/// when decoded, and again on each retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_retried_after_an_outage_counts_its_skipped_messages_once() -> Result<()> {
+    use outbox_core::wire::HEADER_REQUEUE_FOR as FOR;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let pool = db.pool_named(&unique("outage")).await?;
+    let c = DedupConsumer::new(pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (ids, messages) = batch(2);
+    let cancel = CancellationToken::new();
+    assert_eq!(
+        c.process_batch(&messages[..1], &cancel).await?,
+        [Outcome::Processed]
+    );
+    let copy = record_with(
+        2,
+        &[("id", ids[1].to_string().as_bytes()), (FOR, b"c2")],
+        br#"{"n":2}"#,
+    );
+    let retried = [copy, messages[0].clone(), messages[1].clone()];
+    pool.close().await;
+    for _ in 0..3 {
+        assert!(c.process_batch(&retried, &cancel).await.is_err());
+    }
+    let stats = c.stats();
+    assert_eq!(
+        (stats.not_for_us, stats.duplicates_cached, stats.processed),
+        (0, 0, 1),
+        "{stats:?}"
+    );
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    assert_eq!(
+        c.process_batch(&retried, &cancel).await?,
+        [
+            Outcome::NotForUs,
+            Outcome::DuplicateStored,
+            Outcome::Processed
+        ]
+    );
+    Ok(())
+}

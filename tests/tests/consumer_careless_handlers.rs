@@ -62,6 +62,10 @@ enum Care {
     SlowStatement,
     /// The same statement, its error ignored.
     SwallowSlowStatement,
+    /// Ends the transaction and begins another (`ROLLBACK; BEGIN`), then writes again.
+    RestartTransaction,
+    /// Ends the transaction (`ROLLBACK`): what follows runs in autocommit.
+    EndTransaction,
 }
 
 /// A handler doing what `plan` says for each payload `n` (`Record` for the rest).
@@ -137,6 +141,14 @@ impl Handler<Step> for Careless {
                 Care::SwallowSlowStatement => {
                     let _ = sqlx::query("SELECT pg_sleep(2)").execute(&mut *conn).await;
                 }
+                Care::RestartTransaction => {
+                    sqlx::raw_sql("ROLLBACK; BEGIN; INSERT INTO effects (n) VALUES (-1)")
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                Care::EndTransaction => {
+                    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await?;
+                }
             }
             Ok(())
         }
@@ -202,11 +214,16 @@ fn config() -> ConsumerConfig {
 
 /// A pool on the test's schema whose sessions carry `settings` (server parameters).
 async fn pool_with(db: &TestDb, settings: &[(&str, &str)]) -> Result<PgPool> {
+    pool_of(db, settings, 8).await
+}
+
+/// The same, of at most `size` connections.
+async fn pool_of(db: &TestDb, settings: &[(&str, &str)], size: u32) -> Result<PgPool> {
     let options = PgConnectOptions::from_str(&outbox_tests::database_url())?
         .options([("search_path", db.schema.as_str())])
         .options(settings.iter().copied());
     Ok(PgPoolOptions::new()
-        .max_connections(8)
+        .max_connections(size)
         .connect_with(options)
         .await?)
 }
@@ -330,6 +347,206 @@ async fn a_handler_holding_the_connection_past_the_idle_timeout_fails_alone() ->
         ],
     )
     .await?;
+    Ok(())
+}
+
+/// The same with a pool of one connection: whether the database answers is asked on a
+/// connection of its own, not of the pool the dead transaction's connection is still taken
+/// from.
+/// Fails before the fix: the question waited for the pool's only connection, timed out, and
+/// was taken for an outage: `process_batch` returned `Err` (`run` retried the batch forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_connection_pool_tells_a_handler_holding_it_from_an_outage() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let pool = pool_of(&db, &[("idle_in_transaction_session_timeout", "300ms")], 1).await?;
+    let handler = Careless::new(&[(1, Care::HoldThenSwallow)]).holding(Duration::from_millis(700));
+    run_batch(&db, pool, 3, handler, &[(1, "handler_aborted_transaction")]).await?;
+    Ok(())
+}
+
+/// A handler that ends the transaction and begins another (`ROLLBACK; BEGIN; ...`) leaves
+/// the dedup rows, and the effects before it, rolled back: the transaction that would commit
+/// is not the one holding them, and nothing is counted processed on it.
+/// Fails before the fix: the check before COMMIT saw a transaction open and took it for the
+/// batch's: every message `Processed`, yet effects 0 and 1 and every dedup row were gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_restarts_the_transaction_fails_alone() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let handler = Careless::new(&[(1, Care::RestartTransaction)]);
+    run_batch(
+        &db,
+        db.pool.clone(),
+        5,
+        handler,
+        &[(1, "handler_aborted_transaction")],
+    )
+    .await?;
+    Ok(())
+}
+
+/// A handler that ends the transaction (`ROLLBACK`) lets the handlers after it in its batch
+/// write in autocommit; that cannot be undone (see the README), but it is found before
+/// COMMIT: no message is counted processed without its dedup row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_ends_the_transaction_is_found_out() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let c = DedupConsumer::new(
+        db.pool.clone(),
+        config(),
+        Careless::new(&[(1, Care::EndTransaction)]),
+    )?;
+    let (ids, messages) = batch(4);
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    let aborted = Outcome::Quarantined("handler_aborted_transaction");
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed,
+            aborted,
+            Outcome::Processed,
+            Outcome::Processed
+        ]
+    );
+    assert_eq!(dedup_rows(&db.pool, &ids).await?, 3);
+    assert_eq!(c.stats().processed, 3);
+    // Messages 2 and 3 wrote in autocommit behind the batch's back, then again alone.
+    assert_eq!(effects(&db.pool).await?, [2, 3, 0, 2, 3]);
+    Ok(())
+}
+
+/// A proxied connection: what cuts it, and its task.
+type Proxied = (CancellationToken, tokio::task::JoinHandle<()>);
+
+/// A TCP proxy to the database whose connections can be cut (a network reset, a failover
+/// behind a load balancer): the client sees its connection lost, the server no error.
+#[derive(Debug, Clone, Default)]
+struct CuttableProxy {
+    port: u16,
+    open: Arc<Mutex<Vec<Proxied>>>,
+}
+
+impl CuttableProxy {
+    async fn start() -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let proxy = Self {
+            port: listener.local_addr()?.port(),
+            open: Arc::default(),
+        };
+        let open = proxy.open.clone();
+        let upstream = PgConnectOptions::from_str(&outbox_tests::database_url())?;
+        let upstream = format!("{}:{}", upstream.get_host(), upstream.get_port());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let cut = CancellationToken::new();
+                let task = tokio::spawn({
+                    let cut = cut.clone();
+                    async move {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                            () = cut.cancelled() => {}
+                        }
+                    }
+                });
+                open.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((cut, task));
+            }
+        });
+        Ok(proxy)
+    }
+
+    /// Closes every connection open now, and returns once they are closed.
+    async fn cut(&self) {
+        let open = std::mem::take(&mut *self.open.lock().unwrap_or_else(|p| p.into_inner()));
+        for (cut, task) in open {
+            cut.cancel();
+            let _ = task.await;
+        }
+    }
+}
+
+/// Fails its message's first attempt, cuts the connections under its second and returns
+/// the error its statement meets, records the effect on later ones.
+#[derive(Debug, Clone)]
+struct CutUnder {
+    proxy: CuttableProxy,
+    calls: Arc<Mutex<u32>>,
+}
+
+impl Handler<Step> for CutUnder {
+    async fn handle(
+        &self,
+        event: &Event<Step>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        let call = {
+            let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+            *calls += 1;
+            *calls
+        };
+        match call {
+            1 => return Err(HandlerError::retry("first attempt fails")),
+            2 => self.proxy.cut().await,
+            _ => {}
+        }
+        sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+            .bind(event.payload.n)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A connection lost under a message retried alone, with the database answering on a new
+/// one, is no failure of the message unless its handler held the transaction for as long as
+/// the server ends such sessions after (`idle_in_transaction_session_timeout`): a network
+/// reset or a failover behind a proxy costs the message no attempt.
+/// Fails before the fix: the message was blamed for it (its second and last attempt) and
+/// quarantined as `handler_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_under_a_brief_handler_costs_its_message_no_attempt() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let proxy = CuttableProxy::start().await?;
+    let options = PgConnectOptions::from_str(&outbox_tests::database_url())?
+        .host("127.0.0.1")
+        .port(proxy.port)
+        .options([
+            ("search_path", db.schema.as_str()),
+            ("idle_in_transaction_session_timeout", "10s"),
+        ]);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    let handler = CutUnder {
+        proxy: proxy.clone(),
+        calls: Arc::default(),
+    };
+    let c = DedupConsumer::new(pool, config(), handler)?;
+    let (ids, messages) = batch(1);
+    let cancel = CancellationToken::new();
+    let first = c.process_batch(&messages, &cancel).await;
+    assert!(
+        matches!(first, Err(outbox_consumer::ConsumerError::Database(_))),
+        "an outage, retried without counting: {first:?}"
+    );
+    assert_eq!(
+        c.process_batch(&messages, &cancel).await?,
+        [Outcome::Processed]
+    );
+    assert_eq!(c.stats().handler_errors, 1, "{:?}", c.stats());
+    assert_eq!(quarantined(&db.pool).await?, []);
+    assert_eq!(effects(&db.pool).await?, [0]);
+    assert_eq!(dedup_rows(&db.pool, &ids).await?, 1);
     Ok(())
 }
 

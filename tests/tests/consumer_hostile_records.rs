@@ -223,6 +223,25 @@ async fn a_header_name_with_a_nul_does_not_pass_for_id() -> Result<()> {
     Ok(())
 }
 
+/// librdkafka shows `outbox-requeue-for\0x` as `outbox-requeue-for`: the record is no
+/// requeued copy, and it is quarantined like any other name with a NUL.
+/// Fails before the fix: it passed for a copy for the consumer `nobody`, and every consumer
+/// skipped it (`NotForUs`, its offset stored): never handled, never quarantined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_name_with_a_nul_does_not_pass_for_a_requeue_target() -> Result<()> {
+    let db = db().await?;
+    let id = EventId::new().to_string();
+    let headers: &[ByteHeader<'_>] = &[
+        (b"id", Some(id.as_bytes())),
+        (b"outbox-requeue-for\0x", Some(b"nobody")),
+    ];
+    let rows = bad_then_good(&db, (Some(b"k"), Some(br#"{"n":1}"#), headers)).await?;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].reason, "invalid_header_name");
+    assert_eq!(rows[0].event_id, Some(id.parse()?));
+    Ok(())
+}
+
 /// A different record at an offset a quarantine row holds (the topic was deleted and made
 /// again, or a cluster failed over to one with other offsets).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,7 +24,7 @@
 //! with 25P02 or 25P03, which blames no one, or the statement run before COMMIT does
 //! (`ConsumerSql::holds_dedup_row`; without it, COMMIT would answer `ROLLBACK` silently).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::Ordering;
 
 use rdkafka::Message;
@@ -105,7 +105,8 @@ where
         let mut outcomes = Vec::with_capacity(n);
         let mut start = 0;
         // A handler that failed in a batch: where, and how. Its message is next handled alone.
-        let mut failed: Option<(usize, Failure)> = None;
+        // Several can wait: a replay of the messages before one can fail another.
+        let mut failed: BTreeMap<usize, Failure> = BTreeMap::new();
         let mut dropped = 0;
         // Set once a plain insert of this call met a recorded id, so it is not tried again
         // whatever other partitions' batches found meanwhile.
@@ -115,7 +116,7 @@ where
                 outcomes.resize(n, Outcome::Revoked);
                 break;
             }
-            if let Some((_, failure)) = failed.take_if(|(at, _)| *at == start) {
+            if let Some(failure) = failed.remove(&start) {
                 let outcome = self
                     .alone(
                         &messages[start],
@@ -134,7 +135,7 @@ where
                 }
                 continue;
             }
-            let end = failed.as_ref().map_or(n, |(at, _)| *at);
+            let end = failed.keys().next().copied().unwrap_or(n);
             match self
                 .try_batch(&messages[start..end], &items[start..end], owned, recorded)
                 .await
@@ -153,7 +154,7 @@ where
                 Err(BatchFailure::Unavailable(error)) => return Err(error.into()),
                 Err(BatchFailure::Recorded) => recorded = true,
                 Err(BatchFailure::Handler(index, failure)) => {
-                    failed = Some((start + index, failure));
+                    failed.insert(start + index, failure);
                 }
                 Err(BatchFailure::Rejected) => {
                     while start < end && owned() {
@@ -304,10 +305,27 @@ where
             let id = *event.id.as_uuid();
             Some((id, slices[ids.iter().position(|i| *i == id)?]))
         });
+        let processed: Vec<usize> = outcomes.as_ref().map_or_else(
+            |_| Vec::new(),
+            |done| {
+                (0..done.len())
+                    .filter(|&i| done[i] == Outcome::Processed)
+                    .collect()
+            },
+        );
         if let Some((id, slice)) = first {
             outcomes = match check_open(inner, &mut tx, id, slice, None).await {
                 Ok(()) => outcomes,
                 Err(AttemptError::Unavailable(error)) => Err(BatchFailure::Unavailable(error)),
+                // With one handler run, this was its attempt (counted as the one-message path
+                // counts it, so `max_attempts` means handler runs either way).
+                Err(AttemptError::Failed {
+                    reason,
+                    error,
+                    retry,
+                }) if processed.len() == 1 => {
+                    Err(BatchFailure::Handler(processed[0], (reason, error, retry)))
+                }
                 // Which handler left it so is unknown: each message is replayed alone, and
                 // that one's check fails there.
                 Err(AttemptError::Failed { error, .. }) => {

@@ -217,7 +217,7 @@ remove_test_connectors() {
 }
 
 slots_idle() {
-  [ "$(psql -h 127.0.0.1 -U postgres -qAtc "SELECT count(*) FROM pg_replication_slots WHERE database = 'outbox_test' AND active")" = 0 ]
+  [ "$(psql -h 127.0.0.1 -U postgres -qAtc "SELECT count(*) FROM pg_replication_slots WHERE database = '${OUTBOX_TEST_DATABASE_URL##*/}' AND active")" = 0 ]
 }
 
 debezium_version() { grep -o '<debezium.version>[^<]*' "$ROOT/services/connect/pom.xml" | cut -d'>' -f2; }

@@ -118,12 +118,29 @@ pub(crate) async fn recorded_late(
     if ids.is_empty() {
         return Ok(HashSet::new());
     }
+    // Waiting for another batch's lock is contention, not this message's failure: a role's
+    // `lock_timeout` or `statement_timeout` (managed Postgres sets them) must not cut the wait
+    // and charge the message an attempt. The handlers then run under the role's settings.
+    let (lock_timeout, statement_timeout, _, _): (String, String, String, String) =
+        sqlx::query_as(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), \
+                    set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
     sqlx::query(sql.lock_late_ids.clone())
         .bind(dedup.as_str())
         .bind(consumer)
         .bind(ids)
         .execute(&mut *conn)
         .await?;
+    sqlx::query(
+        "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+    )
+    .bind(lock_timeout)
+    .bind(statement_timeout)
+    .execute(&mut *conn)
+    .await?;
     let recorded: Vec<Uuid> = sqlx::query_scalar(sql.find_recorded.clone())
         .bind(consumer)
         .bind(ids)

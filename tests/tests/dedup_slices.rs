@@ -683,3 +683,85 @@ async fn two_transactions_placing_a_late_id_in_different_slices_handle_it_once()
     );
     Ok(())
 }
+
+fn held_gate() -> &'static Gate {
+    static GATE: std::sync::OnceLock<Gate> = std::sync::OnceLock::new();
+    GATE.get_or_init(|| Gate {
+        inside: tokio::sync::Notify::new(),
+        release: tokio::sync::Notify::new(),
+    })
+}
+
+async fn record_and_hold(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    record(event, conn).await?;
+    held_gate().inside.notify_one();
+    held_gate().release.notified().await;
+    Ok(())
+}
+
+/// A late id's lock held by another batch is contention, not the message's failure: a role's
+/// `lock_timeout` (common on managed Postgres) must not cut the wait and charge it an attempt.
+/// Fails before the fix: the second consumer's lock statement ended with SQLSTATE 55P03 after
+/// 100 ms, charged as `transaction_failed`, and with one attempt the message was quarantined
+/// although the first consumer was about to commit it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_ids_lock_wait_outlasts_the_roles_lock_timeout() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let id = decided(-20);
+    let message = event_message("t", 0, id, r#"{"n":1}"#);
+    let first = DedupConsumer::new(
+        db.pool.clone(),
+        ConsumerConfig::new("c1").dedup_ttl(WEEK),
+        record_and_hold,
+    )?;
+    let second_pool = {
+        use std::str::FromStr;
+        let options = sqlx::postgres::PgConnectOptions::from_str(&outbox_tests::database_url())?
+            .options([("search_path", db.schema.as_str())])
+            .options([("lock_timeout", "100ms"), ("statement_timeout", "100ms")])
+            .application_name("impatient");
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await?
+    };
+    let second = DedupConsumer::new(
+        second_pool,
+        ConsumerConfig::new("c1").dedup_ttl(WEEK).max_attempts(1),
+        record,
+    )?;
+    let first = tokio::spawn({
+        let message = message.clone();
+        async move { first.process(&message, &CancellationToken::new()).await }
+    });
+    held_gate().inside.notified().await;
+    let second = tokio::spawn({
+        let message = message.clone();
+        async move { second.process(&message, &CancellationToken::new()).await }
+    });
+    eventually(
+        "the second consumer waits for the id's lock past its lock_timeout",
+        Duration::from_secs(30),
+        || async {
+            anyhow::ensure!(
+                !second.is_finished(),
+                "the second consumer gave up waiting for the lock"
+            );
+            let waiting: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid \
+                 WHERE a.application_name = 'impatient' AND l.locktype = 'advisory' \
+                   AND NOT l.granted AND a.query_start < now() - interval '400 milliseconds')",
+            )
+            .fetch_one(&db.pool)
+            .await?;
+            Ok(waiting)
+        },
+    )
+    .await?;
+    held_gate().release.notify_one();
+    assert_eq!(first.await??, Outcome::Processed);
+    assert_eq!(second.await??, Outcome::DuplicateStored);
+    assert_eq!(effects(&db.pool).await?, (1, 1), "once");
+    Ok(())
+}

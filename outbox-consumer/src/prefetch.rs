@@ -120,23 +120,60 @@ impl Drop for Held<'_> {
     }
 }
 
-/// What a fetched message holds in memory, as counted against the budget: its payload, key
-/// and headers.
+/// What a fetched message holds in memory, as counted against the budget: its payload, key,
+/// topic name and headers, plus what each message and header costs besides its bytes (the
+/// message's structs and the queue's slot, librdkafka's header list), so that a flood of empty
+/// records still fills the budget.
 pub(crate) fn size(message: &OwnedMessage) -> u64 {
     let headers = message.headers().map_or(0, |headers| {
         // rdkafka panics reading a header name that is not UTF-8; such a record is counted
-        // at a nominal size per header rather than take the partition down here.
+        // at a nominal size per header rather than take the partition down here (its value's
+        // length cannot be read either: see the README on what the budget bounds).
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             headers
                 .iter()
-                .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
+                .map(|h| HEADER_OVERHEAD + h.key.len() + h.value.map_or(0, <[u8]>::len))
                 .sum()
         }))
         .unwrap_or(headers.count() * NOMINAL_HEADER)
     });
-    let bytes =
-        message.payload().map_or(0, <[u8]>::len) + message.key().map_or(0, <[u8]>::len) + headers;
+    let bytes = MESSAGE_OVERHEAD
+        + message.topic().len()
+        + message.payload().map_or(0, <[u8]>::len)
+        + message.key().map_or(0, <[u8]>::len)
+        + headers;
     u64::try_from(bytes).unwrap_or(u64::MAX)
 }
 
-const NOMINAL_HEADER: usize = 64;
+/// Bytes a message costs besides its own: `OwnedMessage` and the prefetch queue's entry
+/// (about 200 bytes on 64-bit targets) and the allocator's rounding, rounded up.
+const MESSAGE_OVERHEAD: usize = 256;
+/// Bytes a header costs besides its name and value (librdkafka's and rdkafka's entries).
+const HEADER_OVERHEAD: usize = 48;
+const NOMINAL_HEADER: usize = 64 + HEADER_OVERHEAD;
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::message::{Header, OwnedHeaders, Timestamp};
+
+    use super::*;
+
+    fn message(headers: Option<OwnedHeaders>) -> OwnedMessage {
+        OwnedMessage::new(None, None, "t".into(), Timestamp::NotAvailable, 0, 0, headers)
+    }
+
+    #[test]
+    fn an_empty_record_still_costs_budget_and_each_header_adds_its_entry() {
+        // Counted at 0 bytes, a flood of empty records never paused its partition.
+        let empty = size(&message(None));
+        assert!(empty >= MESSAGE_OVERHEAD as u64, "{empty}");
+        let headers = (0..10).fold(OwnedHeaders::new(), |hs, _| {
+            hs.insert(Header {
+                key: "",
+                value: None::<&[u8]>,
+            })
+        });
+        let with_headers = size(&message(Some(headers)));
+        assert_eq!(with_headers - empty, 10 * HEADER_OVERHEAD as u64);
+    }
+}

@@ -159,7 +159,15 @@ mod tests {
     use super::*;
 
     fn message(headers: Option<OwnedHeaders>) -> OwnedMessage {
-        OwnedMessage::new(None, None, "t".into(), Timestamp::NotAvailable, 0, 0, headers)
+        OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            0,
+            headers,
+        )
     }
 
     #[test]

@@ -103,16 +103,9 @@ pub(crate) async fn ask_about(
             .map(|topic| {
                 let answer = match metadata.topics().iter().find(|t| t.name() == topic) {
                     None => TopicAnswer::Refused(RDKafkaErrorCode::UnknownTopicOrPartition),
-                    Some(t) => match t.error().map(RDKafkaErrorCode::from) {
-                        None => TopicAnswer::Known(partition_count(t)),
-                        Some(code)
-                            if classify(&KafkaError::MessageProduction(code))
-                                == FailureKind::Outage =>
-                        {
-                            TopicAnswer::Known(partition_count(t))
-                        }
-                        Some(code) => TopicAnswer::Refused(code),
-                    },
+                    Some(t) => {
+                        topic_answer(t.error().map(RDKafkaErrorCode::from), partition_count(t))
+                    }
                 };
                 (topic.clone(), answer)
             })
@@ -122,6 +115,41 @@ pub(crate) async fn ask_about(
     .unwrap_or_else(|_| no_answer(&asked))
 }
 
+/// What a topic's metadata `error` means for a record of it that went unanswered. Only no
+/// error, or a leader or in-sync replica error, make it an outage of the record's partition;
+/// any other error (not authorized, invalid, missing) is the row's own failure.
+fn topic_answer(error: Option<RDKafkaErrorCode>, partitions: i32) -> TopicAnswer {
+    match error {
+        None => TopicAnswer::Known(partitions),
+        Some(code) if classify(&KafkaError::MessageProduction(code)) == FailureKind::Outage => {
+            TopicAnswer::Known(partitions)
+        }
+        Some(code) => TopicAnswer::Refused(code),
+    }
+}
+
 fn partition_count(topic: &rdkafka::metadata::MetadataTopic) -> i32 {
     i32::try_from(topic.partitions().len()).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_leader_and_replica_errors_make_an_outage() {
+        use RDKafkaErrorCode as C;
+        assert_eq!(topic_answer(None, 3), TopicAnswer::Known(3));
+        assert_eq!(
+            topic_answer(Some(C::LeaderNotAvailable), 3),
+            TopicAnswer::Known(3)
+        );
+        for code in [
+            C::TopicAuthorizationFailed,
+            C::InvalidTopic,
+            C::UnknownTopicOrPartition,
+        ] {
+            assert_eq!(topic_answer(Some(code), 3), TopicAnswer::Refused(code));
+        }
+    }
 }

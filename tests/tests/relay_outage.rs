@@ -321,3 +321,38 @@ async fn a_dead_partition_does_not_slow_the_others_to_one_batch_per_timeout() ->
     tokio::time::timeout(Duration::from_secs(30), running).await???;
     Ok(())
 }
+
+/// After the Kafka wait, the relay asks the cluster about the topics whose records went
+/// unanswered. With many such topics and a slow cluster, asking one topic after another kept
+/// the transaction idle past its own `idle_in_transaction_session_timeout` (30 s): the batch
+/// failed after Kafka had answered. One request for all, inside the keep-alive, does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_about_many_unanswered_topics_keeps_the_transaction() -> Result<()> {
+    const TOPICS: usize = 64;
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topics: Vec<String> = (0..TOPICS).map(|_| unique("slowmeta")).collect();
+    for topic in &topics {
+        mock.create_topic(topic, 1, 1)?;
+        mock.partition_leader(topic, 0, None)?;
+    }
+    let all: Vec<NewEvent> = topics
+        .iter()
+        .enumerate()
+        .map(|(i, t)| events(t, &format!("k{i}"), 1))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect();
+    enqueue(&db, &all).await?;
+    let mut kafka = producer_config(&mock.bootstrap_servers());
+    kafka.set("message.timeout.ms", "3000");
+    let relay = Relay::new(db.pool.clone(), &kafka, RelayConfig::default())?;
+    // Every request to the cluster takes over a second: asked one topic at a time, about a minute.
+    mock.broker_round_trip_time(1, Duration::from_millis(600))?;
+
+    let report = relay.run_once().await?;
+    assert_eq!(report.waiting, TOPICS, "{report:?}");
+    assert_eq!(attempts(&db).await?, 0, "{:?}", errors(&db).await?);
+    Ok(())
+}

@@ -105,7 +105,7 @@ impl RelaySql {
         };
         // Which earlier rows hold a key's later rows back before the LIMIT: those waiting for
         // their retry and (BlockKey) quarantined ones. Written so that they imply the predicate
-        // of the small index on such rows (migration 0005), and never say status = 'pending':
+        // of the small index on such rows (migration 0009), and never say status = 'pending':
         // that would also let the planner probe the pending index, which it did whenever its
         // statistics dated from a fully published table (36 ms vs 7 ms per batch, bench P5).
         // A row waiting out its partition's outage has no attempt charged, only a

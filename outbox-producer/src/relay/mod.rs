@@ -26,7 +26,9 @@
 //! A row is published only when every earlier row of its aggregate is published. Rows
 //! another relay has locked count as unpublished until that relay commits, so two relays
 //! never publish one aggregate's rows concurrently, and a row waiting for its retry holds its
-//! later rows back. Within a batch, an aggregate has one row in flight at a time: if it fails
+//! later rows back. A claim skips, before its LIMIT, the aggregates another relay is
+//! publishing (a transaction-scoped advisory lock per aggregate), so that relay's busy
+//! aggregate does not fill the others' batches with rows they cannot publish. Within a batch, an aggregate has one row in flight at a time: if it fails
 //! (before it leaves the client, or in its delivery report), the aggregate's later rows in the
 //! batch are not sent. Sending them together would leave their order to librdkafka, which is
 //! not gap-less by default: when one produce request of a partition fails for good, it

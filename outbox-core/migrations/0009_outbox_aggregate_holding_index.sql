@@ -13,6 +13,12 @@
 --
 -- Built beforehand with CREATE INDEX CONCURRENTLY on a large table (README, upgrading), this
 -- migration only drops the old index.
+--
+-- Both statements need a lock that waits for every relay batch in flight (a batch can last
+-- `message.timeout.ms`), and while one waits, every enqueue queues behind it. So the
+-- migration gives up after a few seconds instead (rolled back as a whole); run it again.
+SET LOCAL lock_timeout = '5s';
+
 CREATE INDEX IF NOT EXISTS outbox_events_aggregate_holding_idx
     ON outbox_events (aggregateid, aggregatetype, seq)
     WHERE status <> 'published'

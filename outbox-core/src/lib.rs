@@ -21,6 +21,7 @@ mod ident;
 #[cfg(feature = "prometheus")]
 mod metrics_endpoint;
 mod migrate;
+mod partition;
 mod prune;
 mod quarantine_table;
 mod retry;
@@ -33,6 +34,7 @@ pub use ident::{Ident, TableNames};
 #[cfg(feature = "prometheus")]
 pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};
+pub use partition::{java_partition, murmur2};
 pub use prune::{delete_in_batches, delete_while_full, prune_unlock, try_prune_lock};
 pub use quarantine_table::QuarantineTable;
 pub use retry::backoff;

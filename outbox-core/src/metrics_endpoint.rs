@@ -12,7 +12,8 @@ use crate::CoreError;
 ///
 /// Series (each labelled with `table` for the relay, `consumer` for a consumer):
 /// `outbox_pending`, `outbox_oldest_pending_age_seconds`, `outbox_quarantined`,
-/// `outbox_relay_{published,failed,quarantined}_total`, `outbox_relay_publish_latency_seconds`;
+/// `outbox_relay_{published,failed,quarantined,unconfirmed,waiting}_total`,
+/// `outbox_relay_partitions_out`, `outbox_relay_publish_latency_seconds`;
 /// `outbox_consumer_{processed,duplicates,handler_errors,quarantined}_total` (duplicates by
 /// `via` = `cache` | `table`), `outbox_consumer_message_seconds`.
 ///
@@ -47,6 +48,18 @@ fn describe() {
     describe_counter!(
         "outbox_relay_quarantined_total",
         "Events the relay quarantined"
+    );
+    describe_counter!(
+        "outbox_relay_unconfirmed_total",
+        "Rows left pending as they were, no broker having answered for them (the relay's failure)"
+    );
+    describe_counter!(
+        "outbox_relay_waiting_total",
+        "Rows left pending, charged nothing, because their partition could not take writes"
+    );
+    describe_gauge!(
+        "outbox_relay_partitions_out",
+        "Partitions this relay knows cannot take writes: their rows wait unsent until a probe is acknowledged"
     );
     describe_histogram!(
         "outbox_relay_publish_latency_seconds",

@@ -90,8 +90,9 @@ pub(crate) struct RelaySql {
 impl RelaySql {
     pub(crate) fn new(table: &Ident, policy: QuarantinePolicy) -> Self {
         // An aggregate is (aggregatetype, aggregateid): `invoice/42` never holds `customer/42`
-        // back. The indexes are on (aggregateid, seq); aggregatetype is checked on the few rows
-        // of one id they return.
+        // back. The unpublished-key index is on (aggregateid, seq), the holding index (0009) on
+        // (aggregateid, aggregatetype, seq); on the former, aggregatetype is checked on the few
+        // rows of one id it returns.
         //
         // Which earlier rows of a key hold its later rows back. Both forms contain the
         // predicate of the partial index on (aggregateid, seq) of unpublished rows, written as
@@ -104,7 +105,7 @@ impl RelaySql {
         };
         // Which earlier rows hold a key's later rows back before the LIMIT: those waiting for
         // their retry and (BlockKey) quarantined ones. Written so that they imply the predicate
-        // of the small index on such rows (migration 0005), and never say status = 'pending':
+        // of the small index on such rows (migration 0009), and never say status = 'pending':
         // that would also let the planner probe the pending index, which it did whenever its
         // statistics dated from a fully published table (36 ms vs 7 ms per batch, bench P5).
         // A row waiting out its partition's outage has no attempt charged, only a
@@ -129,6 +130,12 @@ impl RelaySql {
             // starve the keys behind them). Then keep only those with no earlier blocking row
             // of the same key outside this batch: such a row is being published by another
             // relay (locked, so skipped), or was written in a way the first filter cannot see.
+            // The claim also takes a transaction-scoped advisory lock per aggregate (in the
+            // table's namespace, its OID; not the enqueue's lock, which writers wait for), and
+            // skips the aggregates whose lock another relay holds, before the LIMIT: otherwise a
+            // busy aggregate's later rows, held back by the rows another relay is publishing,
+            // fill the LIMIT and are all dropped by the second filter, and the claim returns
+            // nothing while other keys' rows wait.
             // `OFFSET 0` keeps both NOT EXISTS per-row lookups on (aggregateid, seq): as
             // anti-joins the planner, misled by stale statistics on fresh pending rows, scanned
             // every pending row per claimed row (2 s vs 12 ms per batch with 1M retained rows;
@@ -142,6 +149,8 @@ impl RelaySql {
                         WHERE h.aggregateid = e.aggregateid AND h.aggregatetype = e.aggregatetype \
                           AND h.seq < e.seq AND {held} \
                         OFFSET 0) \
+                      AND pg_try_advisory_xact_lock(hashtextextended( \
+                        '{table}'::regclass::oid::text || '/' || e.aggregatetype || '/' || e.aggregateid, 0)) \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) \
                  SELECT e.seq, e.id, e.aggregatetype, e.aggregateid, e.type, e.payload::text AS payload, e.headers, \
                         e.topic, e.created_at, e.attempts \

@@ -18,8 +18,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-mod java_partitioner;
-pub use java_partitioner::{java_partition, murmur2};
+pub use outbox_core::{java_partition, murmur2};
 mod java_producer;
 mod raw_record;
 pub use java_producer::{JavaRecord, java_produce};

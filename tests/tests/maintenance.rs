@@ -146,6 +146,43 @@ async fn migration_0009_accepts_its_index_built_concurrently_beforehand() -> Res
     Ok(())
 }
 
+/// Migration 0009 drops an index, which needs the table to itself: behind a relay batch
+/// (which can last `message.timeout.ms`), it would wait, and every enqueue would queue behind
+/// it. It gives up after its own `lock_timeout` instead, leaves the schema as it was, and
+/// succeeds when run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_0009_gives_up_rather_than_queue_writes_behind_a_relay_batch() -> Result<()> {
+    let db = TestDb::before_migration(9).await?;
+    // A relay batch: rows locked, its transaction open while it waits for Kafka.
+    let mut batch = db.pool.begin().await?;
+    sqlx::query("SELECT seq FROM outbox_events FOR UPDATE SKIP LOCKED")
+        .fetch_all(&mut *batch)
+        .await?;
+    sqlx::query("LOCK TABLE outbox_events IN ROW EXCLUSIVE MODE")
+        .execute(&mut *batch)
+        .await?;
+
+    let started = std::time::Instant::now();
+    let migrated = tokio::time::timeout(Duration::from_secs(20), outbox_core::migrate(&db.pool))
+        .await
+        .map_err(|_| anyhow::anyhow!("the migration waited behind the batch"))?;
+    let error = migrated.expect_err("the migration cannot have its lock");
+    assert!(
+        error.to_string().contains("lock timeout"),
+        "{error} after {:?}",
+        started.elapsed()
+    );
+    let applied: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_events_migrations WHERE version = 9")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(applied, 0, "rolled back as a whole");
+
+    batch.commit().await?;
+    outbox_core::migrate(&db.pool).await?;
+    Ok(())
+}
+
 /// The prune lock is the table's, not its name's: an outbox in another schema (the same
 /// table name) prunes while this one is being pruned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

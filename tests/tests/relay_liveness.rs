@@ -388,3 +388,57 @@ async fn a_rejection_in_a_delivery_report_holds_the_keys_later_rows_on_its_topic
     );
     Ok(())
 }
+
+/// While one relay publishes a busy aggregate's first rows, another relay's claim must not
+/// fill its LIMIT with that aggregate's later rows (each dropped after the LIMIT, behind the
+/// rows the first relay holds) and return nothing while other keys' rows wait: it skips
+/// the aggregates another relay is publishing. Relay A sends to a mock cluster whose every
+/// answer takes seconds, so its batch is in flight while relay B claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_relay_publishes_other_keys_while_the_first_holds_a_busy_aggregate() -> Result<()>
+{
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let mock = MockCluster::new(1)?;
+    mock.create_topic(&topic, 1, 1)?;
+    let busy: Vec<NewEvent> = (0..3 * BATCH as usize)
+        .map(|n| event(&topic, "busy", n))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &busy).await?;
+    let others: Vec<NewEvent> = (0..5)
+        .map(|n| event(&topic, &format!("other{n}"), 0))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &others).await?;
+    mock.broker_round_trip_time(1, Duration::from_secs(3))?;
+    let name = unique("relay_a");
+    let relay_a = Relay::new(
+        db.pool_named(&name).await?,
+        &producer_config(&mock.bootstrap_servers()),
+        RelayConfig::default().batch_size(BATCH),
+    )?;
+    let a = tokio::spawn(async move { relay_a.run_once().await });
+    eventually(
+        "relay A has claimed its batch and waits for Kafka",
+        Duration::from_secs(20),
+        || async {
+            Ok(sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = $1 \
+                   AND state = 'idle in transaction' AND query LIKE 'WITH claimed%')",
+            )
+            .bind(&name)
+            .fetch_one(&db.pool)
+            .await?)
+        },
+    )
+    .await?;
+
+    let relay_b = kafka_relay(&db, RelayConfig::default().batch_size(BATCH))?;
+    let report = relay_b.run_once().await?;
+    a.abort();
+    assert_eq!(
+        (report.claimed, report.published),
+        (5, 5),
+        "the other keys flow past the aggregate relay A holds: {report:?}"
+    );
+    Ok(())
+}

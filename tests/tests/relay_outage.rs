@@ -247,3 +247,112 @@ async fn a_key_waiting_out_an_outage_does_not_starve_the_keys_behind_it() -> Res
     assert_eq!(attempts(&db).await?, 5);
     Ok(())
 }
+
+/// A partition that stays out must not slow the others to one batch per `message.timeout.ms`:
+/// every batch claims new aggregates' first rows on it, and each would wait out the timeout
+/// with the batch. Once the relay knows the partition is out, its rows wait without being
+/// sent (one probe row after a pause), so the healthy partitions' rows flow at full speed;
+/// and once the partition takes writes again, its rows follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_partition_does_not_slow_the_others_to_one_batch_per_timeout() -> Result<()> {
+    const PARTITIONS: i32 = 4;
+    const KEYS: usize = 160;
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topic = unique("deadpart");
+    mock.create_topic(&topic, PARTITIONS, 1)?;
+    let mut kafka = producer_config(&mock.bootstrap_servers());
+    kafka.set("message.timeout.ms", "4000");
+    let relay = Relay::new(
+        db.pool.clone(),
+        &kafka,
+        RelayConfig::default()
+            .batch_size(16)
+            .backoff(Duration::from_millis(100), Duration::from_secs(10))
+            .poll_interval(Duration::from_millis(50)),
+    )?;
+    // Before the first produce request: the mock cluster crashes answering one for a
+    // partition whose leader it took away since.
+    mock.partition_leader(&topic, PARTITIONS - 1, None)?;
+    let keys: Vec<String> = (0..KEYS).map(|n| format!("agg{n}")).collect();
+    let all: Vec<NewEvent> = keys
+        .iter()
+        .map(|k| events(&topic, k, 1))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect();
+    enqueue(&db, &all).await?;
+    let dead = keys
+        .iter()
+        .filter(|k| java_partition(k.as_bytes(), PARTITIONS) == PARTITIONS - 1)
+        .count() as i64;
+    let healthy = KEYS as i64 - dead;
+    let published_rows = || async {
+        Ok::<i64, anyhow::Error>(
+            sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE status = 'published'")
+                .fetch_one(&db.pool)
+                .await?,
+        )
+    };
+
+    let (running, shutdown) = run(&relay);
+    // Ten batches, each with rows of the dead partition: one batch per timeout would take
+    // 40 s. The first batch meets the timeout once (4 s); the rest need no wait.
+    let started = std::time::Instant::now();
+    eventually(
+        "every healthy partition's row is published",
+        Duration::from_secs(16),
+        || async { Ok(published_rows().await? == healthy) },
+    )
+    .await?;
+    tracing::info!(elapsed = ?started.elapsed(), healthy, dead, "healthy rows published");
+    assert_eq!(attempts(&db).await?, healthy, "{:?}", errors(&db).await?);
+    assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
+
+    mock.partition_leader(&topic, PARTITIONS - 1, Some(1))?;
+    eventually(
+        "the dead partition's rows are published once it has a leader",
+        Duration::from_secs(40),
+        || async { Ok(published_rows().await? == KEYS as i64) },
+    )
+    .await?;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(30), running).await???;
+    Ok(())
+}
+
+/// After the Kafka wait, the relay asks the cluster about the topics whose records went
+/// unanswered. With many such topics and a slow cluster, asking one topic after another kept
+/// the transaction idle past its own `idle_in_transaction_session_timeout` (30 s): the batch
+/// failed after Kafka had answered. One request for all, inside the keep-alive, does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_about_many_unanswered_topics_keeps_the_transaction() -> Result<()> {
+    const TOPICS: usize = 64;
+    let db = TestDb::new().await?;
+    let mock = MockCluster::new(1)?;
+    let topics: Vec<String> = (0..TOPICS).map(|_| unique("slowmeta")).collect();
+    for topic in &topics {
+        mock.create_topic(topic, 1, 1)?;
+        mock.partition_leader(topic, 0, None)?;
+    }
+    let all: Vec<NewEvent> = topics
+        .iter()
+        .enumerate()
+        .map(|(i, t)| events(t, &format!("k{i}"), 1))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect();
+    enqueue(&db, &all).await?;
+    let mut kafka = producer_config(&mock.bootstrap_servers());
+    kafka.set("message.timeout.ms", "3000");
+    let relay = Relay::new(db.pool.clone(), &kafka, RelayConfig::default())?;
+    // Every request to the cluster takes over a second: asked one topic at a time, about a minute.
+    mock.broker_round_trip_time(1, Duration::from_millis(600))?;
+
+    let report = relay.run_once().await?;
+    assert_eq!(report.waiting, TOPICS, "{report:?}");
+    assert_eq!(attempts(&db).await?, 0, "{:?}", errors(&db).await?);
+    Ok(())
+}

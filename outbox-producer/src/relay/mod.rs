@@ -26,7 +26,9 @@
 //! A row is published only when every earlier row of its aggregate is published. Rows
 //! another relay has locked count as unpublished until that relay commits, so two relays
 //! never publish one aggregate's rows concurrently, and a row waiting for its retry holds its
-//! later rows back. Within a batch, an aggregate has one row in flight at a time: if it fails
+//! later rows back. A claim skips, before its LIMIT, the aggregates another relay is
+//! publishing (a transaction-scoped advisory lock per aggregate), so that relay's busy
+//! aggregate does not fill the others' batches with rows they cannot publish. Within a batch, an aggregate has one row in flight at a time: if it fails
 //! (before it leaves the client, or in its delivery report), the aggregate's later rows in the
 //! batch are not sent. Sending them together would leave their order to librdkafka, which is
 //! not gap-less by default: when one produce request of a partition fails for good, it
@@ -43,7 +45,11 @@
 //! in-sync replicas than `min.insync.replicas`, a delivery that timed out on a topic the
 //! cluster knows) is an outage of that partition: its rows are charged nothing, wait
 //! (`backoff_max`, at most 30 s) holding their aggregates, and other partitions flow, however
-//! long it lasts. When no broker answers at all, the failure is the relay's: the rows stay
+//! long it lasts. The relay remembers the partition as out: later batches do not send its
+//! rows (they would hold every batch for `message.timeout.ms`) but leave them waiting the same
+//! way, except one probe row after each such pause; the first row acknowledged there ends the
+//! outage (metrics `outbox_relay_partitions_out`, `outbox_relay_waiting_total`). So the other
+//! partitions lose one `message.timeout.ms` per pause, not one per batch. When no broker answers at all, the failure is the relay's: the rows stay
 //! exactly as they were (no attempt charged) and [`Relay::run`] waits for the cluster.
 //! A fatal producer error (an idempotent producer that lost its sequence state) is not a
 //! row's failure: the batch is left pending as it was and the relay stops with
@@ -53,6 +59,7 @@ mod config;
 mod failure;
 mod grace;
 mod kafka;
+mod outages;
 mod publish;
 mod record;
 mod row;
@@ -61,9 +68,9 @@ mod stats_export;
 mod transaction;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, Producer};
@@ -76,7 +83,8 @@ pub use kafka::producer_config;
 
 use crate::ProducerError;
 use crate::sql::RelaySql;
-use failure::{FailureKind, classify};
+use failure::{FailureKind, classify, outage_wait};
+use outages::Outages;
 use publish::Outcome;
 use row::OutboxRow;
 
@@ -120,8 +128,16 @@ struct Inner {
     producer: FutureProducer,
     config: RelayConfig,
     sql: RelaySql,
+    /// Partitions known to be out, and partition counts, across batches.
+    outages: Mutex<Outages>,
     #[cfg(feature = "fault-injection")]
     crash_after_ack: AtomicBool,
+}
+
+impl Inner {
+    fn outages(&self) -> MutexGuard<'_, Outages> {
+        self.outages.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl std::fmt::Debug for Relay {
@@ -174,6 +190,7 @@ impl Relay {
                 producer,
                 config,
                 sql,
+                outages: Mutex::default(),
                 #[cfg(feature = "fault-injection")]
                 crash_after_ack: AtomicBool::new(false),
             }),
@@ -225,11 +242,21 @@ impl Relay {
             tx.commit().await?;
             return Ok(BatchReport::default());
         }
-        let outcomes = if publish {
-            let sent = publish::publish(&inner.producer, &rows, expired);
-            transaction::keep_alive(&mut tx, sent).await?
+        let (outcomes, answers) = if publish {
+            let gate = inner.outages().gate(&rows);
+            // The questions to the cluster run inside the keep-alive too: they can take
+            // seconds, and the transaction must not sit idle meanwhile.
+            let work = async {
+                let outcomes = publish::publish(&inner.producer, &rows, &gate, expired).await;
+                let answers = ask_about_failures(inner, &rows, &outcomes).await;
+                (outcomes, answers)
+            };
+            transaction::keep_alive(&mut tx, work).await?
         } else {
-            rows.iter().map(|_| Outcome::Delivered).collect()
+            (
+                rows.iter().map(|_| Outcome::Delivered(-1)).collect(),
+                HashMap::new(),
+            )
         };
         if let Some((code, reason)) = inner.producer.client().fatal_error() {
             // Every send now fails: recording those failures would walk healthy rows to
@@ -243,7 +270,9 @@ impl Relay {
                 "crash after ack, before marking",
             ));
         }
-        let answers = ask_about_unanswered(&inner.producer, &rows, &outcomes).await;
+        if publish {
+            learn(inner, &rows, &outcomes, &answers);
+        }
         let report = record::record(
             &mut tx,
             &inner.config,
@@ -268,28 +297,90 @@ impl Relay {
     }
 }
 
-/// What the cluster says about each topic with a record that went unanswered. Once no broker
-/// answers, the remaining topics are not asked: the cluster is unreachable.
-async fn ask_about_unanswered(
-    producer: &FutureProducer,
+/// What the cluster says about each topic with a record that went unanswered (whether it
+/// answers at all; whether the topic is there), or that failed for its partition while the
+/// topic's partition count is not known: one metadata request within one deadline,
+/// [`BROKER_CHECK_TIMEOUT`]. Partition counts are kept for the next batches.
+async fn ask_about_failures(
+    inner: &Inner,
     rows: &[OutboxRow],
     outcomes: &[Outcome],
 ) -> HashMap<String, TopicAnswer> {
-    let mut answers = HashMap::new();
-    let mut reachable = true;
-    for (row, outcome) in rows.iter().zip(outcomes) {
-        let unanswered =
-            matches!(outcome, Outcome::Failed(e) if classify(e) == FailureKind::NoAnswer);
-        if !unanswered || answers.contains_key(&row.topic) {
-            continue;
+    let mut topics: Vec<String> = Vec::new();
+    {
+        let outages = inner.outages();
+        for (row, outcome) in rows.iter().zip(outcomes) {
+            let ask = match outcome {
+                Outcome::Failed(e, _) => match classify(e) {
+                    FailureKind::NoAnswer => true,
+                    FailureKind::Outage => !outages.knows_partitions_of(&row.topic),
+                    _ => false,
+                },
+                _ => false,
+            };
+            if ask && !topics.contains(&row.topic) {
+                topics.push(row.topic.clone());
+            }
         }
-        let answer = if reachable {
-            kafka::topic_answer(producer, row.topic.clone(), BROKER_CHECK_TIMEOUT).await
-        } else {
-            TopicAnswer::NoAnswer
-        };
-        reachable = answer != TopicAnswer::NoAnswer;
-        answers.insert(row.topic.clone(), answer);
+    }
+    if topics.is_empty() {
+        return HashMap::new();
+    }
+    let answers = kafka::ask_about(&inner.producer, topics, BROKER_CHECK_TIMEOUT).await;
+    let mut outages = inner.outages();
+    for (topic, answer) in &answers {
+        if let TopicAnswer::Known(count) = answer {
+            outages.set_partition_count(topic, *count);
+        }
     }
     answers
+}
+
+/// Learns from a batch's outcomes which partitions are out (a record failed there for its
+/// partition) and which take writes again (a record was acknowledged there).
+fn learn(
+    inner: &Inner,
+    rows: &[OutboxRow],
+    outcomes: &[Outcome],
+    answers: &HashMap<String, TopicAnswer>,
+) {
+    let mut outages = inner.outages();
+    let now = std::time::Instant::now();
+    for (row, outcome) in rows.iter().zip(outcomes) {
+        match outcome {
+            Outcome::Delivered(partition) => {
+                if outages.mark_up(&row.topic, *partition) {
+                    tracing::info!(topic = %row.topic, partition, "partition takes writes again");
+                }
+                if outages
+                    .partition_of(row)
+                    .is_some_and(|computed| computed != *partition)
+                {
+                    // The topic has more partitions than the relay knew.
+                    outages.forget_partition_count(&row.topic);
+                }
+            }
+            Outcome::Failed(error, partition) => {
+                let outage = match classify(error) {
+                    FailureKind::Outage => true,
+                    FailureKind::NoAnswer => {
+                        matches!(answers.get(&row.topic), Some(TopicAnswer::Known(_)))
+                    }
+                    _ => false,
+                };
+                if let Some(partition) = partition
+                    .or_else(|| outages.partition_of(row))
+                    .filter(|_| outage)
+                {
+                    let wait = outage_wait(&inner.config);
+                    tracing::warn!(topic = %row.topic, partition, probe_in = ?wait, %error, "partition out: its rows wait unsent until a probe is acknowledged");
+                    outages.mark_out(&row.topic, partition, now + wait);
+                }
+            }
+            _ => {}
+        }
+    }
+    #[allow(clippy::cast_precision_loss)]
+    metrics::gauge!("outbox_relay_partitions_out", "table" => inner.config.tables.outbox.as_str().to_owned())
+        .set(outages.len() as f64);
 }

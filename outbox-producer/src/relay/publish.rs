@@ -10,6 +10,9 @@
 //! key's later rows would then reach the wire ahead of (or, under `BlockKey`, past) an earlier
 //! row that failed. With one row per aggregate in flight, no configuration and no broker answer
 //! can do that.
+//!
+//! A row whose partition the relay knows to be out is not sent (see [`super::outages`]): it
+//! stops its chain like a failure, and costs the batch no wait.
 
 use std::collections::HashMap;
 
@@ -18,14 +21,17 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
 
+use super::outages::Gate;
 use super::row::{OutboxRow, RowDefect};
 
 /// What became of one row of a batch.
 pub(crate) enum Outcome {
-    /// Kafka acknowledged it.
-    Delivered,
-    /// The client or the broker failed it.
-    Failed(KafkaError),
+    /// Kafka acknowledged it, on this partition.
+    Delivered(i32),
+    /// The client or the broker failed it; the partition it was meant for, when assigned.
+    Failed(KafkaError, Option<i32>),
+    /// Not sent: its partition (this one) is known to be out.
+    Waiting(i32),
     /// It cannot become a record under the wire contract.
     Defective(RowDefect),
     /// Not sent: an earlier row of its aggregate in this batch was not delivered.
@@ -59,16 +65,20 @@ fn send(producer: &FutureProducer, row: &OutboxRow) -> Result<DeliveryFuture, Ou
         .timestamp(row.created_at.timestamp_millis());
     producer
         .send_result(record)
-        .map_err(|(error, _)| Outcome::Failed(error))
+        .map_err(|(error, _)| Outcome::Failed(error, None))
 }
 
 /// The delivery report of one record, or [`Outcome::Unconfirmed`] once `expired`.
 async fn await_report(delivery: DeliveryFuture, expired: &CancellationToken) -> Outcome {
     tokio::select! {
         report = delivery => match report {
-            Ok(Ok(_)) => Outcome::Delivered,
-            Ok(Err((error, _))) => Outcome::Failed(error),
-            Err(_canceled) => Outcome::Failed(KafkaError::Canceled),
+            Ok(Ok(delivery)) => Outcome::Delivered(delivery.partition),
+            Ok(Err((error, message))) => {
+                use rdkafka::Message;
+                let partition = message.partition();
+                Outcome::Failed(error, (partition >= 0).then_some(partition))
+            }
+            Err(_canceled) => Outcome::Failed(KafkaError::Canceled, None),
         },
         () = expired.cancelled() => Outcome::Unconfirmed,
     }
@@ -89,18 +99,23 @@ async fn send_and_wait(
 fn is_size_rejection(outcome: &Outcome) -> bool {
     matches!(
         outcome,
-        Outcome::Failed(KafkaError::MessageProduction(
-            RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::MessageBatchTooLarge
-        ))
+        Outcome::Failed(
+            KafkaError::MessageProduction(
+                RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::MessageBatchTooLarge
+            ),
+            _
+        )
     )
 }
 
 /// Sends one aggregate's rows, each after the previous one was acknowledged; stops at the
-/// first that was not. Returns the outcome of each row it tried.
+/// first that was not, or at the first whose partition `gate` keeps closed. Returns the
+/// outcome of each row it tried.
 async fn run_chain(
     producer: &FutureProducer,
     rows: &[OutboxRow],
     chain: &[usize],
+    gate: &Gate,
     expired: &CancellationToken,
 ) -> Vec<(usize, Outcome)> {
     let mut outcomes = Vec::new();
@@ -108,8 +123,11 @@ async fn run_chain(
         if expired.is_cancelled() {
             break;
         }
-        let outcome = send_and_wait(producer, &rows[i], expired).await;
-        let delivered = matches!(outcome, Outcome::Delivered);
+        let outcome = match gate.admit(i, &rows[i].topic) {
+            Ok(()) => send_and_wait(producer, &rows[i], expired).await,
+            Err(partition) => Outcome::Waiting(partition),
+        };
+        let delivered = matches!(outcome, Outcome::Delivered(_));
         outcomes.push((i, outcome));
         if !delivered {
             break;
@@ -118,10 +136,11 @@ async fn run_chain(
     outcomes
 }
 
-/// Sends `rows` (in sequence order) and waits for their delivery reports, or until `expired`.
+/// Sends `rows` (in sequence order) that `gate` admits and waits for their delivery reports, or until `expired`.
 pub(crate) async fn publish(
     producer: &FutureProducer,
     rows: &[OutboxRow],
+    gate: &Gate,
     expired: &CancellationToken,
 ) -> Vec<Outcome> {
     let mut outcomes: Vec<Option<Outcome>> = rows.iter().map(|_| None).collect();
@@ -129,7 +148,7 @@ pub(crate) async fn publish(
     let reports = join_all(
         chains
             .iter()
-            .map(|chain| run_chain(producer, rows, chain, expired)),
+            .map(|chain| run_chain(producer, rows, chain, gate, expired)),
     )
     .await;
     for (i, outcome) in reports.into_iter().flatten() {

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use rdkafka::error::KafkaError;
 use sqlx::PgConnection;
 
 use super::failure::{FailureKind, backoff, classify, outage_wait};
@@ -17,8 +18,9 @@ use crate::sql::RelaySql;
 
 /// Records `outcomes` of `rows`. `answers` tells what the cluster said after the batch about
 /// each topic with an unanswered record: nothing (the relay's failure, no row is touched),
-/// that the topic is missing (the row's failure), or that it knows the topic (an outage of
-/// the partition: the row waits, charged nothing).
+/// an error for the topic, such as missing or not authorized (the row's failure), or that it
+/// knows the topic (an outage of the partition: the row waits, charged nothing). A row not
+/// sent because its partition is known to be out waits the same way.
 pub(crate) async fn record(
     conn: &mut PgConnection,
     config: &RelayConfig,
@@ -40,8 +42,9 @@ pub(crate) async fn record(
     let (mut seqs, mut statuses, mut delays, mut errors, mut charges): (_, _, _, _, Vec<i32>) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (row, outcome) in rows.iter().zip(outcomes) {
+        let unsent = matches!(outcome, Outcome::Waiting(_));
         let (kind, error) = match outcome {
-            Outcome::Delivered => {
+            Outcome::Delivered(_) => {
                 published.push(row.seq);
                 let age = (now - row.created_at).to_std().unwrap_or_default();
                 latency.record(age.as_secs_f64());
@@ -56,10 +59,21 @@ pub(crate) async fn record(
                 continue;
             }
             Outcome::Defective(defect) => (FailureKind::Permanent, defect.to_string()),
-            Outcome::Failed(error) => match classify(&error) {
+            Outcome::Waiting(partition) => (
+                FailureKind::Outage,
+                format!("partition {partition} is out; not sent"),
+            ),
+            Outcome::Failed(error, _) => match classify(&error) {
                 FailureKind::NoAnswer => match answers.get(&row.topic) {
-                    Some(TopicAnswer::Missing) => (FailureKind::Transient, error.to_string()),
-                    Some(TopicAnswer::Known) => (FailureKind::Outage, error.to_string()),
+                    Some(TopicAnswer::Refused(code)) => {
+                        // Not authorized or invalid for good; missing or other errors may pass.
+                        let kind = match classify(&KafkaError::MessageProduction(*code)) {
+                            FailureKind::Permanent => FailureKind::Permanent,
+                            _ => FailureKind::Transient,
+                        };
+                        (kind, format!("{error}; the topic's metadata: {code}"))
+                    }
+                    Some(TopicAnswer::Known(_)) => (FailureKind::Outage, error.to_string()),
                     Some(TopicAnswer::NoAnswer) | None => {
                         report.unconfirmed += 1;
                         report.broker_unreachable = true;
@@ -75,7 +89,12 @@ pub(crate) async fn record(
             // partitions that can take writes.
             report.waiting += 1;
             let delay = outage_wait(config);
-            tracing::warn!(event_id = %row.id, topic = %row.topic, retry_in = ?delay, %error, "partition cannot take writes; row waits, not charged");
+            if unsent {
+                // The partition's outage was logged when it was found.
+                tracing::debug!(event_id = %row.id, topic = %row.topic, retry_in = ?delay, %error, "partition out; row waits unsent, not charged");
+            } else {
+                tracing::warn!(event_id = %row.id, topic = %row.topic, retry_in = ?delay, %error, "partition cannot take writes; row waits, not charged");
+            }
             seqs.push(row.seq);
             statuses.push("pending");
             delays.push(delay.as_secs_f64() * 1000.0);
@@ -109,8 +128,10 @@ pub(crate) async fn record(
         .increment((seqs.len() - report.waiting) as u64);
     metrics::counter!("outbox_relay_quarantined_total", "table" => table.clone())
         .increment(report.quarantined as u64);
-    metrics::counter!("outbox_relay_unconfirmed_total", "table" => table)
+    metrics::counter!("outbox_relay_unconfirmed_total", "table" => table.clone())
         .increment(report.unconfirmed as u64);
+    metrics::counter!("outbox_relay_waiting_total", "table" => table)
+        .increment(report.waiting as u64);
     if !published.is_empty() {
         let statement = match config.after_publish {
             AfterPublish::Mark => &sql.mark_published,

@@ -1,7 +1,8 @@
 //! The partition a Java Kafka client (Debezium, Kafka Connect, Kafka Streams) chooses for a
 //! keyed record: `toPositive(murmur2(key)) % partitions`, as in
-//! `org.apache.kafka.clients.producer.internals.BuiltInPartitioner`. The tests compare the
-//! relay's partitions against it.
+//! `org.apache.kafka.clients.producer.internals.BuiltInPartitioner`, and librdkafka's
+//! `murmur2_random` for a non-null key. The relay enforces that partitioner, so it can tell
+//! which partition a row's record goes to before sending it.
 
 /// Kafka's `Utils.murmur2`: MurmurHash2, 32 bits, seed `0x9747b28c`.
 pub fn murmur2(data: &[u8]) -> i32 {
@@ -31,7 +32,7 @@ pub fn murmur2(data: &[u8]) -> i32 {
     h as i32
 }
 
-/// The partition of `key` among `partitions`, as a Java producer picks it.
+/// The partition of `key` among `partitions` (more than zero), as a Java producer picks it.
 pub fn java_partition(key: &[u8], partitions: i32) -> i32 {
     (murmur2(key) & 0x7fff_ffff) % partitions
 }

@@ -75,8 +75,13 @@ fn run_profile(profile: &str) -> BTreeMap<String, String> {
         let lines: Vec<&str> = stderr.lines().collect();
         lines[lines.len().saturating_sub(60)..].join("\n")
     };
-    let fields = summary(&stdout);
     println!("{}", stdout.trim());
+    assert!(
+        stdout.lines().any(|l| l.starts_with("chaos: ")),
+        "the harness ended without its summary ({}); last log lines:\n{tail}",
+        output.status
+    );
+    let fields = summary(&stdout);
     assert!(
         output.status.success(),
         "harness failed ({}); summary: {fields:?}\nlast log lines:\n{tail}",

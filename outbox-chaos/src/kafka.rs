@@ -78,16 +78,28 @@ pub(crate) async fn set_topic_configs(
         AlterConfig::new(ResourceSpecifier::Topic(topic)),
         |a, (k, v)| a.set(k, v),
     );
-    let results = admin
-        .alter_configs(
-            [&alter],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
-        .await?;
-    if let Some((_, code)) = results.into_iter().find_map(Result::err) {
-        bail!("altering the configs of {topic}: {code}");
+    // A node that just came back may not serve the request yet: asked again for a minute.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let attempt = admin
+            .alter_configs(
+                [&alter],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await;
+        let error = match attempt {
+            Ok(results) => match results.into_iter().find_map(Result::err) {
+                None => return Ok(()),
+                Some((_, code)) => format!("altering the configs of {topic}: {code}"),
+            },
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            bail!("{error}");
+        }
+        tracing::info!(%error, "topic configs not altered yet; retrying");
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Ok(())
 }
 
 /// Deletes `topic` and waits until no broker lists it any more.

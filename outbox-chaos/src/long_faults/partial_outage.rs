@@ -22,10 +22,7 @@ use crate::summary::Kind;
 impl LongFaultPhase<'_> {
     pub(super) async fn partial_outage(&mut self, downtime: Duration) -> Result<Vec<Figure>> {
         let brokers = self.broker.address();
-        let node = self
-            .broker
-            .restart_leader(self.topic, 0, Down::Kill9, downtime)
-            .await?;
+        let node = self.take_down_leader(downtime).await?;
         let down = Instant::now();
         lock(self.fleet).counts.add(Kind::PartialOutage, 1);
         tracing::info!(
@@ -43,10 +40,7 @@ impl LongFaultPhase<'_> {
         let mut configs = self.topic_spec.configs.to_vec();
         configs.push(("min.insync.replicas", "3"));
         set_topic_configs(&brokers, self.topic, &configs).await?;
-        let node = self
-            .broker
-            .restart_leader(self.topic, 0, Down::Kill9, downtime)
-            .await?;
+        let node = self.take_down_leader(downtime).await?;
         lock(self.fleet).counts.add(Kind::IsrOutage, 1);
         tracing::info!(
             node,
@@ -68,5 +62,25 @@ impl LongFaultPhase<'_> {
             (Kind::PartialOutage, writable),
             (Kind::IsrOutage, refused),
         ])
+    }
+
+    /// Takes down the leader of partition 0 for `downtime`. Just after a node came back, a
+    /// partition can be without a leader for a moment: asked again until one is named.
+    async fn take_down_leader(&mut self, downtime: Duration) -> Result<u32> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match self
+                .broker
+                .restart_leader(self.topic, 0, Down::Kill9, downtime)
+                .await
+            {
+                Ok(node) => return Ok(node),
+                Err(error) if Instant::now() < deadline => {
+                    tracing::info!(%error, "no leader to take down yet; asking again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 }

@@ -210,6 +210,16 @@ impl Broker {
         Ok(())
     }
 
+    /// Waits for a take-down begun by [`Self::restart`] and its downtime, then starts the
+    /// broker again; at once when none is under way.
+    pub(crate) async fn finish_restart(&mut self) -> Result<()> {
+        if let Some(task) = self.going_down.take() {
+            task.await.context("broker take-down task")??;
+            self.spawn()?;
+        }
+        Ok(())
+    }
+
     /// Starts the broker again once a take-down begun by [`Self::restart`] has finished.
     async fn advance(&mut self) -> Result<()> {
         if self
@@ -278,11 +288,10 @@ impl Broker {
     /// Waits until [`Self::poll_ready`] holds: a restart's take-down and downtime, then
     /// [`START_TIMEOUT`] for the start.
     pub(crate) async fn wait_ready(&mut self) -> Result<()> {
-        if let Some(task) = self.going_down.take() {
-            task.await.context("broker take-down task")??;
-            self.spawn()?;
-        }
-        let deadline = self.started_at + START_TIMEOUT;
+        self.finish_restart().await?;
+        // From this wait's start at the earliest: a node that could not be ready while
+        // another node was down gets its whole start time once that node is back.
+        let deadline = self.started_at.max(Instant::now()) + START_TIMEOUT;
         while !self.poll_ready().await? {
             if Instant::now() >= deadline {
                 bail!(

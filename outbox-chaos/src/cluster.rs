@@ -86,8 +86,15 @@ impl Cluster {
         Ok(all)
     }
 
-    /// Waits until every node is ready.
+    /// Waits until every node is ready. Every restart under way is finished first: a node is
+    /// ready when its metadata lists every node, so waiting on one while another's restart
+    /// had not been started again would wait for nothing (a CI run of the partial outage
+    /// timed out so, a node restarted by the fault loop still starting when another was
+    /// taken down).
     pub(crate) async fn wait_ready(&mut self) -> Result<()> {
+        for node in &mut self.nodes {
+            node.finish_restart().await?;
+        }
         for node in &mut self.nodes {
             node.wait_ready().await?;
         }

@@ -22,6 +22,9 @@ use crate::summary::Kind;
 impl LongFaultPhase<'_> {
     pub(super) async fn partial_outage(&mut self, downtime: Duration) -> Result<Vec<Figure>> {
         let brokers = self.broker.address();
+        // A node the fault loop restarted may still be starting: the fault takes one node of
+        // a whole cluster down, not a second one.
+        self.broker.wait_ready().await?;
         let node = self.take_down_leader(downtime).await?;
         let down = Instant::now();
         lock(self.fleet).counts.add(Kind::PartialOutage, 1);

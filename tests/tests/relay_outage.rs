@@ -81,9 +81,32 @@ fn impatient_relay(db: &TestDb, brokers: &str) -> Result<Relay> {
     )?)
 }
 
-/// Runs `relay` while the fault lasts: longer than `max_attempts` × `message.timeout.ms`
-/// several times over, so that charged failures would have quarantined every stuck row.
-/// Returns the running relay's handle and its shutdown token.
+/// Runs `relay` batch by batch until its rows have met the outage `times` times (each a try
+/// the relay charged before the fix, quarantining a row after `max_attempts`), asserting on
+/// the way that none is charged or quarantined for it.
+async fn wait_out(relay: &Relay, times: usize) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut met = 0;
+    while met < times {
+        let report = relay.run_once().await?;
+        anyhow::ensure!(
+            report.quarantined == 0 && report.retried == 0,
+            "the outage was charged to rows: {report:?}"
+        );
+        met += report.waiting;
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the rows met the outage {met} times in 60 s, not {times}"
+        );
+        if report.claimed == 0 {
+            // Nothing due yet: the waiting rows' pause (`backoff_max`) is not over.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `relay` in the background; returns its handle and its shutdown token.
 fn run(
     relay: &Relay,
 ) -> (
@@ -110,15 +133,14 @@ async fn a_leaderless_partition_is_waited_out_while_the_other_flows() -> Result<
     enqueue(&db, &events(&topic, &down, 3)?).await?;
     enqueue(&db, &events(&topic, &up, 3)?).await?;
 
-    let (running, shutdown) = run(&relay);
-    eventually(
-        "the partition with a leader flows",
-        Duration::from_secs(20),
-        || async { Ok(published(&db, &up).await? == 3) },
-    )
-    .await?;
-    // The outage outlasts max_attempts × message.timeout.ms three times over.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // The stuck rows meet the outage three times max_attempts over; the other partition
+    // flows meanwhile.
+    wait_out(&relay, 3 * 2).await?;
+    assert_eq!(
+        published(&db, &up).await?,
+        3,
+        "the partition with a leader flows"
+    );
     assert_eq!(
         count_status(&db.pool, "quarantined").await?,
         0,
@@ -133,6 +155,7 @@ async fn a_leaderless_partition_is_waited_out_while_the_other_flows() -> Result<
     );
 
     mock.partition_leader(&topic, 1, Some(1))?;
+    let (running, shutdown) = run(&relay);
     eventually(
         "the stuck partition's rows are published once it has a leader",
         Duration::from_secs(30),
@@ -177,15 +200,8 @@ async fn not_enough_replicas_is_waited_out_and_charges_no_row() -> Result<()> {
     );
     enqueue(&db, &events(&topic, "k", 3)?).await?;
 
-    let (running, shutdown) = run(&relay);
-    eventually(
-        "the relay has met the fault",
-        Duration::from_secs(20),
-        || async { Ok(!errors(&db).await?.is_empty()) },
-    )
-    .await?;
-    // Longer than max_attempts × message.timeout.ms, three times over.
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // Three times max_attempts over.
+    wait_out(&relay, 3 * 2).await?;
     assert_eq!(
         count_status(&db.pool, "quarantined").await?,
         0,
@@ -196,6 +212,7 @@ async fn not_enough_replicas_is_waited_out_and_charges_no_row() -> Result<()> {
     assert_eq!(attempts(&db).await?, 1, "{:?}", errors(&db).await?);
 
     mock.clear_request_errors(RDKafkaApiKey::Produce);
+    let (running, shutdown) = run(&relay);
     eventually(
         "the rows are published once the partition takes writes",
         Duration::from_secs(30),

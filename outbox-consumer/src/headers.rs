@@ -141,28 +141,30 @@ fn name_len(name: &str, value: Option<&[u8]>) -> usize {
     }
 }
 
+/// A message of topic `t` with `headers`, for the crate's unit tests.
+#[cfg(test)]
+pub(crate) fn test_message(headers: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
+    use rdkafka::message::{Header, Timestamp};
+    let headers = headers
+        .iter()
+        .fold(OwnedHeaders::new(), |hs, (key, value)| {
+            hs.insert(Header { key, value: *value })
+        });
+    OwnedMessage::new(
+        None,
+        None,
+        "t".into(),
+        Timestamp::NotAvailable,
+        0,
+        0,
+        Some(headers),
+    )
+}
+
 #[cfg(test)]
 mod tests {
-    use rdkafka::message::{Header, Timestamp};
-
+    use super::test_message as message;
     use super::*;
-
-    fn message(headers: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
-        let headers = headers
-            .iter()
-            .fold(OwnedHeaders::new(), |hs, (key, value)| {
-                hs.insert(Header { key, value: *value })
-            });
-        OwnedMessage::new(
-            None,
-            None,
-            "t".into(),
-            Timestamp::NotAvailable,
-            0,
-            0,
-            Some(headers),
-        )
-    }
 
     #[test]
     fn a_name_with_a_nul_is_told_from_the_name_before_it() {

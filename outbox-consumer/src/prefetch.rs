@@ -154,34 +154,15 @@ const NOMINAL_HEADER: usize = 64 + HEADER_OVERHEAD;
 
 #[cfg(test)]
 mod tests {
-    use rdkafka::message::{Header, OwnedHeaders, Timestamp};
-
     use super::*;
-
-    fn message(headers: Option<OwnedHeaders>) -> OwnedMessage {
-        OwnedMessage::new(
-            None,
-            None,
-            "t".into(),
-            Timestamp::NotAvailable,
-            0,
-            0,
-            headers,
-        )
-    }
+    use crate::headers::test_message;
 
     #[test]
     fn an_empty_record_still_costs_budget_and_each_header_adds_its_entry() {
         // Counted at 0 bytes, a flood of empty records never paused its partition.
-        let empty = size(&message(None));
+        let empty = size(&test_message(&[]));
         assert!(empty >= MESSAGE_OVERHEAD as u64, "{empty}");
-        let headers = (0..10).fold(OwnedHeaders::new(), |hs, _| {
-            hs.insert(Header {
-                key: "",
-                value: None::<&[u8]>,
-            })
-        });
-        let with_headers = size(&message(Some(headers)));
+        let with_headers = size(&test_message(&[("", None); 10]));
         assert_eq!(with_headers - empty, 10 * HEADER_OVERHEAD as u64);
     }
 }

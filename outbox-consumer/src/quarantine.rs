@@ -306,26 +306,8 @@ pub async fn discard(
 
 #[cfg(test)]
 mod tests {
-    use rdkafka::message::{Header, OwnedHeaders, Timestamp};
-
     use super::*;
-
-    fn message(received: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
-        let headers = received
-            .iter()
-            .fold(OwnedHeaders::new(), |hs, (key, value)| {
-                hs.insert(Header { key, value: *value })
-            });
-        OwnedMessage::new(
-            None,
-            None,
-            "t".into(),
-            Timestamp::NotAvailable,
-            0,
-            0,
-            Some(headers),
-        )
-    }
+    use crate::headers::test_message as message;
 
     fn row(headers: Map<String, Value>, header_bytes: Option<Vec<u8>>) -> QuarantinedMessage {
         QuarantinedMessage {

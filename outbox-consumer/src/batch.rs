@@ -196,10 +196,12 @@ where
 
     fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
         let inner = &*self.inner;
-        if crate::requeue::for_another(&inner.name, message) {
+        // Read once: the requeue check and the decoder look at the same headers.
+        let read = crate::headers::read(message);
+        if crate::requeue::for_another(&inner.name, message, &read) {
             return Item::NotForUs;
         }
-        match decode::decode(&inner.config, message) {
+        match decode::decode(&inner.config, message, &read) {
             Err(rejected) => Item::Rejected(rejected),
             Ok(event) if inner.cache.contains_key(event.id.as_uuid()) => {
                 tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");

@@ -36,6 +36,7 @@ impl Rejected {
 pub(crate) fn decode<P: DeserializeOwned>(
     config: &ConsumerConfig,
     message: &OwnedMessage,
+    read: &[Read<'_>],
 ) -> Result<Event<P>, Rejected> {
     let payload = message.payload();
     if let Some(len) = payload.map(<[u8]>::len)
@@ -48,7 +49,6 @@ pub(crate) fn decode<P: DeserializeOwned>(
         );
         return Err(Rejected::new("too_large", error, None));
     }
-    let read = headers::read(message);
     let whole = || {
         read.iter().filter_map(|h| match h {
             Read::Whole(name, value) => Some((*name, *value)),
@@ -57,12 +57,12 @@ pub(crate) fn decode<P: DeserializeOwned>(
     };
     // A name rdkafka could not read, or one with a NUL inside (`id\0x` reads as `id`), is
     // not the contract's: the record is not decoded with it.
-    if let Some(error) = headers::name_defect(&read) {
+    if let Some(error) = headers::name_defect(read) {
         let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
         return Err(Rejected::new("invalid_header_name", error, id));
     }
     // A requeue header naming no consumer: every consumer would take the copy for another's.
-    if let Err(error) = crate::requeue::targets(&read) {
+    if let Err(error) = crate::requeue::targets(read) {
         let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
         return Err(Rejected::new("invalid_requeue_header", error, id));
     }

@@ -19,12 +19,11 @@ use crate::headers::{self, Read};
 
 /// Whether `message` is a requeued copy for another consumer than `consumer`; logs it when it
 /// is.
-pub(crate) fn for_another(consumer: &str, message: &OwnedMessage) -> bool {
-    let read = headers::read(message);
-    if headers::name_defect(&read).is_some() {
+pub(crate) fn for_another(consumer: &str, message: &OwnedMessage, read: &[Read<'_>]) -> bool {
+    if headers::name_defect(read).is_some() {
         return false;
     }
-    let Ok(targets) = targets(&read) else {
+    let Ok(targets) = targets(read) else {
         return false;
     };
     if targets.is_empty() || targets.contains(&consumer) {

@@ -123,12 +123,26 @@ impl TestDb {
 /// Creates `topic` with `partitions` partitions on the broker (the test broker does not
 /// auto-create topics).
 pub async fn create_topic(topic: &str, partitions: i32) -> Result<()> {
+    create_topic_with(topic, partitions, &[]).await
+}
+
+/// Creates `topic` with `partitions` partitions and the topic `configs`
+/// (`max.message.bytes`, `compression.type`, ...).
+pub async fn create_topic_with(
+    topic: &str,
+    partitions: i32,
+    configs: &[(&str, &str)],
+) -> Result<()> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", kafka_bootstrap())
         .create()?;
+    let new = configs.iter().fold(
+        NewTopic::new(topic, partitions, TopicReplication::Fixed(1)),
+        |new, (key, value)| new.set(key, value),
+    );
     let results = admin
         .create_topics(
-            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &[new],
             &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
         )
         .await?;

@@ -10,7 +10,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Result, ensure};
 use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
 use outbox_core::EventId;
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
@@ -18,9 +18,6 @@ use outbox_tests::{
     JavaRecord, TestDb, count_status, eventually, java_produce, kafka_bootstrap, random_topic,
     unique,
 };
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::types::RDKafkaErrorCode;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::{PgConnection, PgPool};
@@ -59,17 +56,7 @@ async fn record(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx
 /// A topic whose broker (re)compresses every batch with `codec`, whatever the producer sent.
 async fn topic_compressed_by_the_broker(codec: &str) -> Result<String> {
     let topic = unique("outbox.test");
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", kafka_bootstrap())
-        .create()?;
-    let new = NewTopic::new(&topic, 1, TopicReplication::Fixed(1)).set("compression.type", codec);
-    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    for result in admin.create_topics(&[new], &options).await? {
-        match result {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((name, code)) => bail!("creating topic {name}: {code}"),
-        }
-    }
+    outbox_tests::create_topic_with(&topic, 1, &[("compression.type", codec)]).await?;
     Ok(topic)
 }
 

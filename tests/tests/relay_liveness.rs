@@ -12,9 +12,6 @@ use outbox_producer::{
 use outbox_tests::{
     TestDb, count_status, eventually, kafka_bootstrap, random_topic, read_all, unique,
 };
-use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::mocking::MockCluster;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -188,19 +185,7 @@ async fn a_malformed_or_ambiguous_row_is_quarantined_alone() -> Result<()> {
 /// (the client's own limit is far above it).
 async fn small_topic() -> Result<String> {
     let topic = unique("outbox.small");
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", kafka_bootstrap())
-        .create()?;
-    let created = admin
-        .create_topics(
-            &[NewTopic::new(&topic, 1, TopicReplication::Fixed(1))
-                .set("max.message.bytes", "1000")],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
-        .await?;
-    for result in created {
-        result.map_err(|(name, code)| anyhow::anyhow!("creating {name}: {code}"))?;
-    }
+    outbox_tests::create_topic_with(&topic, 1, &[("max.message.bytes", "1000")]).await?;
     Ok(topic)
 }
 

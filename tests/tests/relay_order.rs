@@ -12,9 +12,6 @@ use outbox_producer::{
     BatchReport, NewEvent, QuarantinePolicy, Relay, RelayConfig, producer_config,
 };
 use outbox_tests::{TestDb, count_status, kafka_bootstrap, read_all, unique};
-use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use serde_json::json;
 
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -22,19 +19,7 @@ const READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A one-partition topic whose broker rejects record batches over 64 KiB.
 async fn topic_of_64_kib() -> Result<String> {
     let topic = unique("outbox.order");
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", kafka_bootstrap())
-        .create()?;
-    let created = admin
-        .create_topics(
-            &[NewTopic::new(&topic, 1, TopicReplication::Fixed(1))
-                .set("max.message.bytes", "65536")],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-        )
-        .await?;
-    for result in created {
-        result.map_err(|(name, code)| anyhow::anyhow!("creating {name}: {code}"))?;
-    }
+    outbox_tests::create_topic_with(&topic, 1, &[("max.message.bytes", "65536")]).await?;
     Ok(topic)
 }
 

@@ -604,12 +604,25 @@ struct Gate {
     release: tokio::sync::Notify,
 }
 
+impl Gate {
+    fn new() -> Self {
+        Self {
+            inside: tokio::sync::Notify::new(),
+            release: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Says the handler is inside, and waits to be released.
+    async fn pass(&self) {
+        self.inside.notify_one();
+        self.release.notified().await;
+    }
+}
+
+/// One gate per test that uses one (they run in parallel).
 fn gate() -> &'static Gate {
     static GATE: std::sync::OnceLock<Gate> = std::sync::OnceLock::new();
-    GATE.get_or_init(|| Gate {
-        inside: tokio::sync::Notify::new(),
-        release: tokio::sync::Notify::new(),
-    })
+    GATE.get_or_init(Gate::new)
 }
 
 async fn record_when_released(
@@ -617,8 +630,7 @@ async fn record_when_released(
     conn: &mut PgConnection,
 ) -> Result<(), sqlx::Error> {
     record(event, conn).await?;
-    gate().inside.notify_one();
-    gate().release.notified().await;
+    gate().pass().await;
     Ok(())
 }
 
@@ -686,16 +698,12 @@ async fn two_transactions_placing_a_late_id_in_different_slices_handle_it_once()
 
 fn held_gate() -> &'static Gate {
     static GATE: std::sync::OnceLock<Gate> = std::sync::OnceLock::new();
-    GATE.get_or_init(|| Gate {
-        inside: tokio::sync::Notify::new(),
-        release: tokio::sync::Notify::new(),
-    })
+    GATE.get_or_init(Gate::new)
 }
 
 async fn record_and_hold(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
     record(event, conn).await?;
-    held_gate().inside.notify_one();
-    held_gate().release.notified().await;
+    held_gate().pass().await;
     Ok(())
 }
 

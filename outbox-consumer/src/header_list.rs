@@ -8,7 +8,10 @@
 //! - `1` name cut at a NUL: the name's full length, the readable part's length, that part,
 //!   value;
 //! - `2` unreadable (a name that is not UTF-8): nothing more;
+//! - `3` a name that is no contract name (not UTF-8, or a NUL inside): name length, name's
+//!   bytes, value;
 //!
+//! (`1` and `2` were written before names were read as bytes, and are only read now)
 //! and a value is `0` (no value) or `1`, its length and its bytes.
 
 use crate::headers::{Read, ReceivedHeader};
@@ -25,13 +28,11 @@ pub(crate) fn encode(headers: &[Read<'_>]) -> Vec<u8> {
                 bytes(&mut out, name.as_bytes());
                 optional(&mut out, *value);
             }
-            Read::CutAtNul { prefix, len, value } => {
-                out.push(1);
-                out.extend_from_slice(&length(*len).to_be_bytes());
-                bytes(&mut out, prefix.as_bytes());
+            Read::Bytes(name, value) => {
+                out.push(3);
+                bytes(&mut out, name);
                 optional(&mut out, *value);
             }
-            Read::Unreadable => out.push(2),
         }
     }
     out
@@ -57,6 +58,10 @@ pub(crate) fn decode(column: &[u8]) -> Result<Vec<ReceivedHeader>, String> {
                 value: r.optional()?,
             },
             2 => ReceivedHeader::Unreadable,
+            3 => ReceivedHeader::Bytes {
+                name: r.bytes()?,
+                value: r.optional()?,
+            },
             kind => return Err(format!("header kind {kind} is not known")),
         });
     }
@@ -133,12 +138,8 @@ mod tests {
             Read::Whole("bin", Some(&[0xff, 0x00, 0xc3][..])),
             Read::Whole("id", Some(b"")),
             Read::Whole("none", None),
-            Read::CutAtNul {
-                prefix: "id",
-                len: 4,
-                value: Some(b"v"),
-            },
-            Read::Unreadable,
+            Read::Bytes(b"id\0x", Some(b"v")),
+            Read::Bytes(&[0xff, 0xfe], None),
             Read::Whole("", Some(b"\0")),
         ];
         let column = encode(&read);
@@ -156,5 +157,25 @@ mod tests {
         }
         assert!(decode(&[9]).is_err());
         assert!(decode(&[1, 7]).is_err());
+    }
+
+    /// Rows written before names were read as bytes still read.
+    #[test]
+    fn the_earlier_kinds_still_read() {
+        let mut column = vec![
+            1, 1, 0, 0, 0, 4, 0, 0, 0, 2, b'i', b'd', 1, 0, 0, 0, 1, b'v',
+        ];
+        column.push(2);
+        assert_eq!(
+            decode(&column),
+            Ok(vec![
+                ReceivedHeader::CutAtNul {
+                    prefix: "id".to_owned(),
+                    len: 4,
+                    value: Some(b"v".to_vec())
+                },
+                ReceivedHeader::Unreadable,
+            ])
+        );
     }
 }

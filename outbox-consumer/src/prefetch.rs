@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rdkafka::ClientConfig;
-use rdkafka::message::{Headers, Message, OwnedMessage};
+use rdkafka::message::{Message, OwnedMessage};
 use tokio::sync::Notify;
 
 /// librdkafka's settings the budget relies on, unless the application set them. Messages
@@ -125,18 +125,10 @@ impl Drop for Held<'_> {
 /// message's structs and the queue's slot, librdkafka's header list), so that a flood of empty
 /// records still fills the budget.
 pub(crate) fn size(message: &OwnedMessage) -> u64 {
-    let headers = message.headers().map_or(0, |headers| {
-        // rdkafka panics reading a header name that is not UTF-8; such a record is counted
-        // at a nominal size per header rather than take the partition down here (its value's
-        // length cannot be read either: see the README on what the budget bounds).
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            headers
-                .iter()
-                .map(|h| HEADER_OVERHEAD + h.key.len() + h.value.map_or(0, <[u8]>::len))
-                .sum()
-        }))
-        .unwrap_or(headers.count() * NOMINAL_HEADER)
-    });
+    let headers: usize = crate::headers::read(message)
+        .into_iter()
+        .map(|header| HEADER_OVERHEAD + header.len())
+        .sum();
     let bytes = MESSAGE_OVERHEAD
         + message.topic().len()
         + message.payload().map_or(0, <[u8]>::len)
@@ -150,7 +142,6 @@ pub(crate) fn size(message: &OwnedMessage) -> u64 {
 const MESSAGE_OVERHEAD: usize = 256;
 /// Bytes a header costs besides its name and value (librdkafka's and rdkafka's entries).
 const HEADER_OVERHEAD: usize = 48;
-const NOMINAL_HEADER: usize = 64 + HEADER_OVERHEAD;
 
 #[cfg(test)]
 mod tests {

@@ -91,8 +91,9 @@ impl QuarantinedMessage {
             .map(|(i, header)| match header {
                 ReceivedHeader::Whole { name, value } => Ok((name, value)),
                 _ => Err(ConsumerError::InvalidQuarantineRow(format!(
-                    "row {}: the name of header {i} was not received in full (not UTF-8, or \
-                     with a NUL inside): the message cannot be published again as received",
+                    "row {}: the name of header {i} is not UTF-8 or has a NUL inside: no Kafka \
+                     client here sends such a name, so the message cannot be published again \
+                     as received",
                     self.id
                 ))),
             })
@@ -219,12 +220,14 @@ fn headers_json(read: &[Read<'_>]) -> Map<String, Value> {
     for header in read {
         let (name, value) = match header {
             Read::Whole(name, value) => ((*name).to_owned(), header_value(*value)),
-            // Shown, not read back: `header_bytes` holds what is known of them.
-            Read::CutAtNul { prefix, len, value } => (
-                format!("<name of {len} bytes cut at a NUL after {prefix:?}>"),
+            // Shown, not read back: `header_bytes` holds its bytes.
+            Read::Bytes(name, value) => (
+                format!(
+                    "<name not UTF-8 or with a NUL: \"{}\">",
+                    name.escape_ascii()
+                ),
                 header_value(*value),
             ),
-            Read::Unreadable => ("<name not UTF-8, unreadable>".to_owned(), Value::Null),
         };
         match map.get_mut(&name) {
             None => {
@@ -371,7 +374,7 @@ mod tests {
     }
 
     #[test]
-    fn a_name_not_received_in_full_is_kept_but_not_sent_again() {
+    fn a_name_that_is_no_contract_name_is_kept_but_not_sent_again() {
         let message = message(&[("id\0x", Some(b"v")), ("ok", Some(b"w"))]);
         let read = crate::headers::read(&message);
         let json = headers_json(&read);
@@ -379,9 +382,8 @@ mod tests {
         assert_eq!(
             stored.received_headers().expect("decodes"),
             [
-                ReceivedHeader::CutAtNul {
-                    prefix: "id".into(),
-                    len: 4,
+                ReceivedHeader::Bytes {
+                    name: b"id\0x".to_vec(),
                     value: Some(b"v".to_vec())
                 },
                 ReceivedHeader::Whole {

@@ -20,6 +20,20 @@ mkdir -p "$SERVICES_DIR"
 
 log() { printf '[services] %s\n' "$*" >&2; }
 
+# What building the workspace needs besides Rust: librdkafka is compiled with OpenSSL (TLS,
+# SCRAM, OAUTHBEARER) and Cyrus SASL (GSSAPI), found through pkg-config; cmake and a C++
+# compiler for librdkafka itself.
+BUILD_PACKAGES=(pkg-config libssl-dev libsasl2-dev libsasl2-modules-gssapi-mit cmake g++ make)
+ensure_build_deps() {
+  local missing=() p
+  for p in "${BUILD_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  log "installing the build's system packages: ${missing[*]}"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
 # Polls `check` once a second for up to `seconds`; no fixed sleeps.
 wait_for() {
   local what="$1" seconds="$2"; shift 2

@@ -15,6 +15,13 @@ export OUTBOX_TEST_DATABASE_URL="${OUTBOX_TEST_DATABASE_URL:-postgres://postgres
 export OUTBOX_TEST_KAFKA="${OUTBOX_TEST_KAFKA:-127.0.0.1:$KAFKA_PORT}"
 export OUTBOX_TEST_CONNECT="${OUTBOX_TEST_CONNECT:-http://127.0.0.1:$CONNECT_PORT}"
 export OUTBOX_KAFKA_CLASSPATH_FILE="$SERVICES_DIR/kafka.classpath"
+# The test broker's secured listeners (scripts/kafka-node), the certificates they serve
+# (scripts/tls.sh) and the SCRAM user the scripts create on it.
+export OUTBOX_TEST_KAFKA_SASL_SSL="${OUTBOX_TEST_KAFKA_SASL_SSL:-127.0.0.1:$((KAFKA_PORT + 2))}"
+export OUTBOX_TEST_KAFKA_MTLS="${OUTBOX_TEST_KAFKA_MTLS:-127.0.0.1:$((KAFKA_PORT + 3))}"
+export OUTBOX_TEST_TLS_DIR="${OUTBOX_TEST_TLS_DIR:-$SERVICES_DIR/tls}"
+export OUTBOX_TEST_KAFKA_SCRAM_USER="${OUTBOX_TEST_KAFKA_SCRAM_USER:-outbox}"
+export OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE="${OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE:-$SERVICES_DIR/kafka/scram.password}"
 export PATH="$HOME/.cargo/bin:$PATH"
 mkdir -p "$SERVICES_DIR"
 
@@ -138,6 +145,8 @@ jars_present() {
   for jar in $(tr ':' ' ' <"$1"); do [ -f "$jar" ] || return 1; done
 }
 
+source "$ROOT/scripts/tls.sh"
+
 new_cluster_id() { python3 -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))'; }
 
 # start_kafka_node DIR NODE_ID PORT CONTROLLER_PORT VOTERS CLUSTER_ID REPLICATION: one node
@@ -150,25 +159,61 @@ start_kafka_node() {
 }
 
 # The single broker the tests, the demo and the benchmarks use: 127.0.0.1:$KAFKA_PORT, its
-# data in .services/kafka (kept across runs; delete the directory for an empty broker).
+# data in .services/kafka (kept across runs; delete the directory for an empty broker). It
+# also serves SASL_SSL on $KAFKA_PORT+2 and mTLS on $KAFKA_PORT+3 (scripts/kafka-node), with
+# a SCRAM-SHA-512 user whose password is in $OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE.
 start_kafka() {
   if [ "$OUTBOX_TEST_KAFKA" != "127.0.0.1:$KAFKA_PORT" ]; then
     log "using the broker at $OUTBOX_TEST_KAFKA (OUTBOX_TEST_KAFKA); starting none"
     return 0
   fi
   resolve_jars kafka
-  if port_open "$KAFKA_PORT"; then
-    wait_for "Kafka on 127.0.0.1:$KAFKA_PORT" 60 "$ROOT/scripts/kafka-ready" "127.0.0.1:$KAFKA_PORT"
-    return 0
-  fi
+  ensure_tls
   local dir="$SERVICES_DIR/kafka" controller_port=$((KAFKA_PORT + 1))
-  mkdir -p "$dir"
-  [ -s "$dir/cluster.id" ] || new_cluster_id >"$dir/cluster.id"
-  log "starting Apache Kafka (KRaft) on 127.0.0.1:$KAFKA_PORT"
-  start_kafka_node "$dir" 1 "$KAFKA_PORT" "$controller_port" "1@127.0.0.1:$controller_port" \
-    "$(cat "$dir/cluster.id")" 1
+  if port_open "$KAFKA_PORT" && ! port_open $((KAFKA_PORT + 3)) && [ -s "$dir/pid" ]; then
+    # Started by an earlier version of this script, without the secured listeners.
+    log "restarting the test broker to add its TLS listeners"
+    kill "$(cat "$dir/pid")" 2>/dev/null || true
+    wait_for "the test broker to stop" 60 port_closed "$KAFKA_PORT"
+  fi
+  if ! port_open "$KAFKA_PORT"; then
+    mkdir -p "$dir"
+    [ -s "$dir/cluster.id" ] || new_cluster_id >"$dir/cluster.id"
+    log "starting Apache Kafka (KRaft) on 127.0.0.1:$KAFKA_PORT (SASL_SSL on $((KAFKA_PORT + 2)), mTLS on $((KAFKA_PORT + 3)))"
+    (export KAFKA_TLS_DIR="$TLS_DIR" && start_kafka_node "$dir" 1 "$KAFKA_PORT" \
+      "$controller_port" "1@127.0.0.1:$controller_port" "$(cat "$dir/cluster.id")" 1)
+  fi
   wait_for "Kafka" 120 "$ROOT/scripts/kafka-ready" "127.0.0.1:$KAFKA_PORT" \
     || { tail -n 50 "$dir/broker.log" >&2; return 1; }
+  ensure_scram_user
+}
+
+port_closed() { ! port_open "$1"; }
+
+# Creates (or updates) the SCRAM-SHA-512 user with Kafka's own ConfigCommand, through the
+# plaintext listener; the password goes through a file, never the command line.
+ensure_scram_user() {
+  local password_file="$OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE" marker="$SERVICES_DIR/kafka/scram.applied"
+  if [ ! -s "$password_file" ]; then
+    (umask 077 && openssl rand -hex 16 >"$password_file")
+  fi
+  if [ -f "$marker" ] && [ "$marker" -nt "$password_file" ] \
+    && [ "$marker" -nt "$SERVICES_DIR/kafka/cluster.id" ]; then
+    return 0
+  fi
+  local config
+  config="$(umask 077 && mktemp)"
+  printf 'SCRAM-SHA-512=[iterations=8192,password=%s]\n' "$(cat "$password_file")" >"$config"
+  log "creating the SCRAM-SHA-512 user $OUTBOX_TEST_KAFKA_SCRAM_USER on the test broker"
+  if ! java -Dlog4j2.configurationFile="$ROOT/services/kafka/log4j2.properties" \
+    -cp "$(cat "$OUTBOX_KAFKA_CLASSPATH_FILE")" kafka.admin.ConfigCommand \
+    --bootstrap-server "127.0.0.1:$KAFKA_PORT" --alter --entity-type users \
+    --entity-name "$OUTBOX_TEST_KAFKA_SCRAM_USER" --add-config-file "$config" >/dev/null; then
+    rm -f "$config"
+    return 1
+  fi
+  rm -f "$config"
+  touch "$marker"
 }
 
 # A 3-broker cluster (replication factor 3, min.insync.replicas=2) for the reliability

@@ -103,7 +103,10 @@ pub use headers::ReceivedHeader;
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;
-pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};
+pub use outbox_core::{
+    EventId, KafkaCheckFailure, MIGRATOR, TableNames, check_connection,
+    check_connection_with_context, migrate, wire,
+};
 pub use prune::{DedupPruned, prune};
 pub use pruner::DedupPruner;
 pub use runner::consumer_config;

@@ -27,6 +27,15 @@ pub enum CoreError {
     /// The metrics endpoint could not be installed.
     #[error("{0}")]
     Metrics(String),
+    /// A Kafka client configuration does not reach its cluster
+    /// ([`check_connection`](crate::check_connection)).
+    #[error("{failure}: {reason}")]
+    KafkaCheck {
+        /// What failed.
+        failure: crate::KafkaCheckFailure,
+        /// librdkafka's reason, escaped, without the configuration's values.
+        reason: String,
+    },
     /// A database error.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

@@ -18,12 +18,14 @@
 mod envelope;
 mod error;
 mod ident;
+mod kafka_check;
 #[cfg(feature = "prometheus")]
 mod metrics_endpoint;
 mod migrate;
 mod partition;
 mod prune;
 mod quarantine_table;
+pub mod redact;
 mod retry;
 pub mod trace;
 pub mod wire;
@@ -31,6 +33,7 @@ pub mod wire;
 pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
 pub use ident::{Ident, TableNames};
+pub use kafka_check::{KafkaCheckFailure, check_connection, check_connection_with_context};
 #[cfg(feature = "prometheus")]
 pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};

@@ -47,5 +47,8 @@ pub use maintenance::{OutboxStats, STATS_COUNT_CAP, prune_published, stats};
 #[cfg(feature = "prometheus")]
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;
-pub use outbox_core::{EventId, MIGRATOR, NewEvent, TableNames, migrate, wire};
+pub use outbox_core::{
+    EventId, KafkaCheckFailure, MIGRATOR, NewEvent, TableNames, check_connection,
+    check_connection_with_context, migrate, wire,
+};
 pub use relay::{AfterPublish, BatchReport, QuarantinePolicy, Relay, RelayConfig, producer_config};

@@ -42,8 +42,8 @@ pub(crate) fn enforce_required(config: &mut ClientConfig) {
 /// Whether a broker answers a metadata request within `timeout` (for `topic`, or for all
 /// topics): tells a record's own failure from an unreachable cluster. Off the async runtime,
 /// since librdkafka blocks.
-pub(crate) async fn broker_answers(
-    producer: &rdkafka::producer::FutureProducer,
+pub(crate) async fn broker_answers<C: rdkafka::client::ClientContext + 'static>(
+    producer: &rdkafka::producer::FutureProducer<C>,
     topic: Option<String>,
     timeout: std::time::Duration,
 ) -> bool {
@@ -76,8 +76,8 @@ pub(crate) enum TopicAnswer {
 /// when there are several) within `timeout`, off the async runtime. A topic missing from the
 /// answer is [`RDKafkaErrorCode::UnknownTopicOrPartition`] (a broker leaves topics a client may
 /// not describe out of an answer about all topics).
-pub(crate) async fn ask_about(
-    producer: &rdkafka::producer::FutureProducer,
+pub(crate) async fn ask_about<C: rdkafka::client::ClientContext + 'static>(
+    producer: &rdkafka::producer::FutureProducer<C>,
     topics: Vec<String>,
     timeout: std::time::Duration,
 ) -> HashMap<String, TopicAnswer> {

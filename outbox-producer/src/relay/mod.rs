@@ -73,6 +73,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use rdkafka::ClientConfig;
+use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::producer::{FutureProducer, Producer};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -118,14 +119,24 @@ pub struct BatchReport {
 
 /// Publishes committed outbox rows to Kafka. Cheap to clone; `Send + Sync`. Run one or many
 /// (in one process or several) against the same table: order per key holds either way.
-#[derive(Clone)]
-pub struct Relay {
-    inner: Arc<Inner>,
+///
+/// `C` is the producer's client context: the application's, for what it provides to the
+/// client (an OAUTHBEARER token, its own logging), through [`Relay::with_context`].
+pub struct Relay<C: ClientContext + 'static = DefaultClientContext> {
+    inner: Arc<Inner<C>>,
 }
 
-struct Inner {
+impl<C: ClientContext + 'static> Clone for Relay<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct Inner<C: ClientContext + 'static> {
     pool: PgPool,
-    producer: FutureProducer,
+    producer: FutureProducer<C>,
     config: RelayConfig,
     sql: RelaySql,
     /// Partitions known to be out, and partition counts, across batches.
@@ -134,13 +145,13 @@ struct Inner {
     crash_after_ack: AtomicBool,
 }
 
-impl Inner {
+impl<C: ClientContext + 'static> Inner<C> {
     fn outages(&self) -> MutexGuard<'_, Outages> {
         self.outages.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-impl std::fmt::Debug for Relay {
+impl<C: ClientContext + 'static> std::fmt::Debug for Relay<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Relay")
             .field("config", &self.inner.config)
@@ -157,9 +168,24 @@ impl Relay {
         kafka: &ClientConfig,
         config: RelayConfig,
     ) -> Result<Self, ProducerError> {
+        Self::with_context(pool, kafka, DefaultClientContext, config)
+    }
+}
+
+impl<C: ClientContext + 'static> Relay<C> {
+    /// [`Relay::new`] with the application's client context for the producer.
+    pub fn with_context(
+        pool: PgPool,
+        kafka: &ClientConfig,
+        context: C,
+        config: RelayConfig,
+    ) -> Result<Self, ProducerError> {
         let mut kafka = kafka.clone();
         kafka::enforce_required(&mut kafka);
-        Self::with_producer(pool, kafka.create()?, config)
+        let producer = kafka.create_with_context(context).map_err(|error| {
+            ProducerError::KafkaConfig(outbox_core::redact::kafka_error(&error, &kafka))
+        })?;
+        Self::with_producer(pool, producer, config)
     }
 
     /// A relay on an existing producer. It must be configured with `enable.idempotence=true`
@@ -169,7 +195,7 @@ impl Relay {
     /// this is not checked).
     pub fn with_producer(
         pool: PgPool,
-        producer: FutureProducer,
+        producer: FutureProducer<C>,
         config: RelayConfig,
     ) -> Result<Self, ProducerError> {
         config.validate()?;
@@ -301,8 +327,8 @@ impl Relay {
 /// answers at all; whether the topic is there), or that failed for its partition while the
 /// topic's partition count is not known: one metadata request within one deadline,
 /// [`BROKER_CHECK_TIMEOUT`]. Partition counts are kept for the next batches.
-async fn ask_about_failures(
-    inner: &Inner,
+async fn ask_about_failures<C: ClientContext + 'static>(
+    inner: &Inner<C>,
     rows: &[OutboxRow],
     outcomes: &[Outcome],
 ) -> HashMap<String, TopicAnswer> {
@@ -338,8 +364,8 @@ async fn ask_about_failures(
 
 /// Learns from a batch's outcomes which partitions are out (a record failed there for its
 /// partition) and which take writes again (a record was acknowledged there).
-fn learn(
-    inner: &Inner,
+fn learn<C: ClientContext + 'static>(
+    inner: &Inner<C>,
     rows: &[OutboxRow],
     outcomes: &[Outcome],
     answers: &HashMap<String, TopicAnswer>,

@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 
 use futures::future::join_all;
+use rdkafka::client::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
@@ -56,7 +57,10 @@ fn chains(rows: &[OutboxRow]) -> Vec<Vec<usize>> {
 }
 
 /// Hands `row` to the producer.
-fn send(producer: &FutureProducer, row: &OutboxRow) -> Result<DeliveryFuture, Outcome> {
+fn send<C: ClientContext + 'static>(
+    producer: &FutureProducer<C>,
+    row: &OutboxRow,
+) -> Result<DeliveryFuture, Outcome> {
     let headers = row.kafka_headers().map_err(Outcome::Defective)?;
     let record = FutureRecord::to(&row.topic)
         .key(row.aggregateid.as_bytes())
@@ -85,8 +89,8 @@ async fn await_report(delivery: DeliveryFuture, expired: &CancellationToken) -> 
 }
 
 /// Sends `row` and waits for its delivery report.
-async fn send_and_wait(
-    producer: &FutureProducer,
+async fn send_and_wait<C: ClientContext + 'static>(
+    producer: &FutureProducer<C>,
     row: &OutboxRow,
     expired: &CancellationToken,
 ) -> Outcome {
@@ -111,8 +115,8 @@ fn is_size_rejection(outcome: &Outcome) -> bool {
 /// Sends one aggregate's rows, each after the previous one was acknowledged; stops at the
 /// first that was not, or at the first whose partition `gate` keeps closed. Returns the
 /// outcome of each row it tried.
-async fn run_chain(
-    producer: &FutureProducer,
+async fn run_chain<C: ClientContext + 'static>(
+    producer: &FutureProducer<C>,
     rows: &[OutboxRow],
     chain: &[usize],
     gate: &Gate,
@@ -137,8 +141,8 @@ async fn run_chain(
 }
 
 /// Sends `rows` (in sequence order) that `gate` admits and waits for their delivery reports, or until `expired`.
-pub(crate) async fn publish(
-    producer: &FutureProducer,
+pub(crate) async fn publish<C: ClientContext + 'static>(
+    producer: &FutureProducer<C>,
     rows: &[OutboxRow],
     gate: &Gate,
     expired: &CancellationToken,

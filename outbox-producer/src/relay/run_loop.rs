@@ -1,5 +1,6 @@
 //! [`Relay::run`]: batches until shutdown, waiting out outages as a whole.
 
+use rdkafka::client::ClientContext;
 use std::time::Duration;
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -25,7 +26,7 @@ const RELAY_RETRY_MAX: Duration = Duration::from_secs(30);
 const BROKER_PROBE_INTERVAL: Duration = Duration::from_secs(1);
 const BROKER_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
-impl Relay {
+impl<C: ClientContext + 'static> Relay<C> {
     /// Runs batches until `shutdown` is cancelled: immediately while batches come back full,
     /// otherwise on a `NOTIFY` from a committing writer or every `poll_interval`.
     ///

@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use rdkafka::client::ClientContext;
+
 use super::Relay;
 
 /// How often [`Relay::run`] refreshes the gauges.
 const STATS_INTERVAL: Duration = Duration::from_secs(5);
 
-impl Relay {
+impl<C: ClientContext + 'static> Relay<C> {
     pub(super) async fn export_stats_until(self, shutdown: CancellationToken) {
         loop {
             self.export_stats().await;

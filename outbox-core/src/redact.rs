@@ -53,10 +53,16 @@ mod tests {
         let Err(error) = config.create::<BaseConsumer>() else {
             panic!("a protocol of that name is refused");
         };
-        assert!(error.to_string().contains(secret), "rdkafka quotes it: {error}");
+        assert!(
+            error.to_string().contains(secret),
+            "rdkafka quotes it: {error}"
+        );
         let text = kafka_error(&error, &config);
         assert!(!text.contains(secret), "{text}");
         assert!(!text.contains("another-secret-98f1"), "{text}");
-        assert!(text.contains("security.protocol"), "names the property: {text}");
+        assert!(
+            text.contains("security.protocol"),
+            "names the property: {text}"
+        );
     }
 }

@@ -252,3 +252,38 @@ async fn a_missing_client_certificate_is_named_and_the_key_password_is_not_quote
     assert!(failure.needs_a_change(), "{failure:?}: {text}");
     Ok(())
 }
+
+/// A relay given a wrong password waits as for an outage (its row is not charged) and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_with_a_wrong_password_charges_nothing_and_says_why() -> Result<()> {
+    let kafka = SecureKafka::from_env()?;
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let event = NewEvent::new("invoice", "42", "InvoiceSent", &json!({}))?.with_topic(&topic)?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue(&mut tx, &event).await?;
+    tx.commit().await?;
+    let wrong = format!("wrong-{}", uuid::Uuid::new_v4().simple());
+    let mut config = with(
+        producer_config("unused:1"),
+        &kafka.scram_with(&wrong, "ca.pem"),
+    );
+    config.set("message.timeout.ms", "3000");
+    let relay = Relay::new(db.pool.clone(), &config, RelayConfig::default())?;
+    let report = relay.run_once().await?;
+    assert!(report.broker_unreachable, "{report:?}");
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM outbox_events")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(
+        attempts, 0,
+        "an authentication failure is no failure of the row"
+    );
+    let cause = relay.last_client_error().unwrap_or_default();
+    assert!(cause.contains("SASL authentication error"), "{cause:?}");
+    assert!(
+        !cause.contains(&wrong) && !cause.contains(&kafka.password),
+        "{cause}"
+    );
+    Ok(())
+}

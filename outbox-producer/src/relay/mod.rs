@@ -56,6 +56,7 @@
 //! [`ProducerError::FatalProducer`], to be restarted with a new producer.
 
 mod config;
+mod context;
 mod failure;
 mod grace;
 mod kafka;
@@ -84,6 +85,7 @@ pub use kafka::producer_config;
 
 use crate::ProducerError;
 use crate::sql::RelaySql;
+use context::{LastError, RelayContext};
 use failure::{FailureKind, classify, outage_wait};
 use outages::Outages;
 use publish::Outcome;
@@ -136,7 +138,9 @@ impl<C: ClientContext + 'static> Clone for Relay<C> {
 
 struct Inner<C: ClientContext + 'static> {
     pool: PgPool,
-    producer: FutureProducer<C>,
+    producer: FutureProducer<RelayContext<C>>,
+    /// What the producer's context last heard from librdkafka.
+    client_error: LastError,
     config: RelayConfig,
     sql: RelaySql,
     /// Partitions known to be out, and partition counts, across batches.
@@ -182,23 +186,13 @@ impl<C: ClientContext + 'static> Relay<C> {
     ) -> Result<Self, ProducerError> {
         let mut kafka = kafka.clone();
         kafka::enforce_required(&mut kafka);
-        let producer = kafka.create_with_context(context).map_err(|error| {
-            ProducerError::KafkaConfig(outbox_core::redact::kafka_error(&error, &kafka))
-        })?;
-        Self::with_producer(pool, producer, config)
-    }
-
-    /// A relay on an existing producer. It must be configured with `enable.idempotence=true`
-    /// and `acks=all`, or per-key order and no-loss do not hold, and with
-    /// `partitioner=murmur2_random`, or its keys land on other partitions than Debezium's
-    /// and any Java producer's (a librdkafka producer's settings cannot be read back, so
-    /// this is not checked).
-    pub fn with_producer(
-        pool: PgPool,
-        producer: FutureProducer<C>,
-        config: RelayConfig,
-    ) -> Result<Self, ProducerError> {
         config.validate()?;
+        let client_error = LastError::default();
+        let producer = kafka
+            .create_with_context(RelayContext::new(context, client_error.clone()))
+            .map_err(|error| {
+                ProducerError::KafkaConfig(outbox_core::redact::kafka_error(&error, &kafka))
+            })?;
         let needed = 1 + u32::from(config.listen);
         let max = pool.options().get_max_connections();
         if max < needed {
@@ -214,6 +208,7 @@ impl<C: ClientContext + 'static> Relay<C> {
             inner: Arc::new(Inner {
                 pool,
                 producer,
+                client_error,
                 config,
                 sql,
                 outages: Mutex::default(),
@@ -221,6 +216,14 @@ impl<C: ClientContext + 'static> Relay<C> {
                 crash_after_ack: AtomicBool::new(false),
             }),
         })
+    }
+
+    /// The last client error librdkafka reported to the producer (a refused password, a TLS
+    /// handshake that failed, a broker connection lost), escaped: why no broker answers when
+    /// [`BatchReport::broker_unreachable`] is set. Never a secret: librdkafka names the
+    /// mechanism and the step that failed.
+    pub fn last_client_error(&self) -> Option<String> {
+        self.inner.client_error.get()
     }
 
     /// The configuration.

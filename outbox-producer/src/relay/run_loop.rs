@@ -70,6 +70,7 @@ impl<C: ClientContext + 'static> Relay<C> {
                     failures = 0;
                     tracing::warn!(
                         left_pending = report.unconfirmed,
+                        cause = self.inner.client_error.get(),
                         "no broker answers; waiting for the cluster without charging rows"
                     );
                     self.wait_for_broker(&shutdown).await;

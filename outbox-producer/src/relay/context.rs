@@ -1,0 +1,73 @@
+//! The relay producer's client context: the application's, wrapped so the relay can say why
+//! no broker answers.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rdkafka::client::{ClientContext, OAuthToken};
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::error::KafkaError;
+use rdkafka::statistics::Statistics;
+
+/// Forwards everything to the application's context `C`, keeping librdkafka's last
+/// client-level error (a refused password, a failed TLS handshake, a broker down).
+/// librdkafka's context is out of reach once the producer holds it, so the relay keeps this
+/// handle on the error it records.
+pub(crate) struct RelayContext<C> {
+    inner: C,
+    last_error: LastError,
+}
+
+/// librdkafka's last client error, escaped ("all brokers down" never overwrites the cause
+/// before it).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LastError(Arc<Mutex<Option<String>>>);
+
+impl LastError {
+    pub(crate) fn get(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, error: String) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
+    }
+}
+
+impl<C> RelayContext<C> {
+    pub(crate) fn new(inner: C, last_error: LastError) -> Self {
+        Self { inner, last_error }
+    }
+}
+
+impl<C: ClientContext> ClientContext for RelayContext<C> {
+    const ENABLE_REFRESH_OAUTH_TOKEN: bool = C::ENABLE_REFRESH_OAUTH_TOKEN;
+
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        self.inner.log(level, fac, log_message);
+    }
+
+    fn stats(&self, statistics: Statistics) {
+        self.inner.stats(statistics);
+    }
+
+    fn stats_raw(&self, statistics: &[u8]) {
+        self.inner.stats_raw(statistics);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        if error.rdkafka_error_code() != Some(rdkafka::types::RDKafkaErrorCode::AllBrokersDown) {
+            self.last_error
+                .set(format!("{error}: {}", reason.escape_debug()));
+        }
+        self.inner.error(error, reason);
+    }
+
+    fn generate_oauth_token(
+        &self,
+        oauthbearer_config: Option<&str>,
+    ) -> Result<OAuthToken, Box<dyn std::error::Error>> {
+        self.inner.generate_oauth_token(oauthbearer_config)
+    }
+}

@@ -33,6 +33,8 @@ pub struct DedupContext<C = DefaultClientContext> {
     watcher: Mutex<Option<Watcher>>,
     /// Closed while a revocation takes effect (see [`Self::poll_at_epoch`]).
     gate: Mutex<Gate>,
+    /// What librdkafka last reported as a client error.
+    client_error: outbox_core::LastClientError,
     inner: C,
 }
 
@@ -53,8 +55,16 @@ impl<C> DedupContext<C> {
             owned: Mutex::default(),
             watcher: Mutex::default(),
             gate: Mutex::default(),
+            client_error: outbox_core::LastClientError::default(),
             inner,
         }
+    }
+
+    /// librdkafka's last client error (a refused password, a failed TLS handshake, a lost
+    /// broker), escaped; take the handle before [`DedupConsumer::run`](crate::DedupConsumer::run)
+    /// takes the consumer: it keeps seeing what the context records.
+    pub fn last_client_error(&self) -> outbox_core::LastClientError {
+        self.client_error.clone()
     }
 
     /// Sets (or, with `None`, clears) what runs before each rebalance takes effect.
@@ -131,6 +141,7 @@ impl<C: ClientContext> ClientContext for DedupContext<C> {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        self.client_error.record(&error, reason);
         self.inner.error(error, reason);
     }
 

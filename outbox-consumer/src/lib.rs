@@ -104,7 +104,7 @@ pub use headers::ReceivedHeader;
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;
 pub use outbox_core::{
-    EventId, KafkaCheckFailure, MIGRATOR, TableNames, check_connection,
+    EventId, KafkaCheckFailure, LastClientError, MIGRATOR, TableNames, check_connection,
     check_connection_with_context, migrate, wire,
 };
 pub use prune::{DedupPruned, prune};

@@ -19,6 +19,7 @@ mod envelope;
 mod error;
 mod ident;
 mod kafka_check;
+mod last_client_error;
 #[cfg(feature = "prometheus")]
 mod metrics_endpoint;
 mod migrate;
@@ -34,6 +35,7 @@ pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
 pub use ident::{Ident, TableNames};
 pub use kafka_check::{KafkaCheckFailure, check_connection, check_connection_with_context};
+pub use last_client_error::LastClientError;
 #[cfg(feature = "prometheus")]
 pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};

@@ -48,7 +48,7 @@ pub use maintenance::{OutboxStats, STATS_COUNT_CAP, prune_published, stats};
 pub use outbox_core::serve_metrics;
 pub use outbox_core::trace;
 pub use outbox_core::{
-    EventId, KafkaCheckFailure, MIGRATOR, NewEvent, TableNames, check_connection,
+    EventId, KafkaCheckFailure, LastClientError, MIGRATOR, NewEvent, TableNames, check_connection,
     check_connection_with_context, migrate, wire,
 };
 pub use relay::{AfterPublish, BatchReport, QuarantinePolicy, Relay, RelayConfig, producer_config};

@@ -10,12 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
-use outbox_consumer::{ConsumerConfig, Event, consumer_config, dedup_consume};
+use outbox_consumer::{
+    ConsumerConfig, DedupConsumer, Event, consumer_config, dedup_consume, stream_consumer,
+};
 use outbox_core::{CoreError, KafkaCheckFailure, check_connection, check_connection_with_context};
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
 use outbox_tests::{SecureKafka, TestDb, eventually, random_topic, unique, unsecured_token};
 use rdkafka::ClientConfig;
 use rdkafka::client::{ClientContext, DefaultClientContext, OAuthToken};
+use rdkafka::consumer::Consumer;
 use serde_json::json;
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
@@ -284,6 +287,47 @@ async fn a_relay_with_a_wrong_password_charges_nothing_and_says_why() -> Result<
     assert!(
         !cause.contains(&wrong) && !cause.contains(&kafka.password),
         "{cause}"
+    );
+    Ok(())
+}
+
+/// A consumer given a wrong password keeps running (the password may be fixed on the broker's
+/// side) and says why it receives nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_with_a_wrong_password_says_why() -> Result<()> {
+    let kafka = SecureKafka::from_env()?;
+    let db = TestDb::new().await?;
+    sqlx::query("CREATE TABLE effects (event_id UUID PRIMARY KEY)")
+        .execute(&db.pool)
+        .await?;
+    let topic = random_topic(1).await?;
+    let wrong = format!("wrong-{}", uuid::Uuid::new_v4().simple());
+    let config = with(
+        consumer_config("unused:1", &unique("g")),
+        &kafka.scram_with(&wrong, "ca.pem"),
+    );
+    let consumer = stream_consumer(&config)?;
+    consumer.subscribe(&[topic.as_str()])?;
+    let cause = consumer.context().last_client_error();
+    let dedup = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { dedup.run(consumer, shutdown).await }
+    });
+    let seen = eventually("the cause is recorded", Duration::from_secs(30), || async {
+        Ok(cause
+            .get()
+            .is_some_and(|c| c.contains("SASL authentication error")))
+    })
+    .await;
+    shutdown.cancel();
+    running.await??;
+    seen?;
+    let text = cause.get().unwrap_or_default();
+    assert!(
+        !text.contains(&wrong) && !text.contains(&kafka.password),
+        "{text}"
     );
     Ok(())
 }

@@ -1,12 +1,12 @@
 //! The relay producer's client context: the application's, wrapped so the relay can say why
 //! no broker answers.
 
-use std::sync::{Arc, Mutex, PoisonError};
-
 use rdkafka::client::{ClientContext, OAuthToken};
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::KafkaError;
 use rdkafka::statistics::Statistics;
+
+pub(crate) use outbox_core::LastClientError as LastError;
 
 /// Forwards everything to the application's context `C`, keeping librdkafka's last
 /// client-level error (a refused password, a failed TLS handshake, a broker down).
@@ -15,24 +15,6 @@ use rdkafka::statistics::Statistics;
 pub(crate) struct RelayContext<C> {
     inner: C,
     last_error: LastError,
-}
-
-/// librdkafka's last client error, escaped ("all brokers down" never overwrites the cause
-/// before it).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct LastError(Arc<Mutex<Option<String>>>);
-
-impl LastError {
-    pub(crate) fn get(&self) -> Option<String> {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    fn set(&self, error: String) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
-    }
 }
 
 impl<C> RelayContext<C> {
@@ -57,10 +39,7 @@ impl<C: ClientContext> ClientContext for RelayContext<C> {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        if error.rdkafka_error_code() != Some(rdkafka::types::RDKafkaErrorCode::AllBrokersDown) {
-            self.last_error
-                .set(format!("{error}: {}", reason.escape_debug()));
-        }
+        self.last_error.record(&error, reason);
         self.inner.error(error, reason);
     }
 

@@ -4,15 +4,11 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 use outbox_producer::NewEvent;
-use outbox_tests::{TestDb, database_url};
+use outbox_tests::TestDb;
 
 /// The test database's URL with the test's schema as `search_path`.
 fn schema_url(db: &TestDb) -> String {
-    format!(
-        "{}?options=-c%20search_path%3D{}",
-        database_url(),
-        db.schema
-    )
+    db.url()
 }
 
 fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {

@@ -288,6 +288,20 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
             .map(String::as_str),
         Some("billing-v2")
     );
+    // Recorded as a requeue of that row, with where its copy went.
+    let (rows, detail): (Vec<i64>, serde_json::Value) = sqlx::query_as(
+        "SELECT row_ids, detail FROM outbox_quarantine_audit WHERE action = 'requeue'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(rows, [ids[0]]);
+    assert_eq!(
+        detail,
+        serde_json::json!({
+            "to_consumer": "billing-v2",
+            "copy": {"topic": topic, "partition": 0, "offset": records[0].offset},
+        })
+    );
 
     let (ok, stdout, _) = outbox(
         &db,

@@ -30,14 +30,16 @@ pub async fn prune_quarantine(
     let quarantine = quarantine(tables);
     quarantine.verify(conn).await?;
     let delete = quarantine.prune_statement("quarantined_at");
-    Ok(outbox_core::delete_in_batches(
-        conn,
-        &tables.consumer_quarantine,
-        delete,
-        older_than,
-        batch,
+    Ok(
+        outbox_core::delete_in_batches(
+            conn,
+            &tables.consumer_quarantine,
+            delete,
+            older_than,
+            batch,
+        )
+        .await?,
     )
-    .await?)
 }
 
 /// One batch of [`prune_quarantine`], in the caller's transaction: deletes at most `batch`

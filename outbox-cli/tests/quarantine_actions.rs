@@ -270,7 +270,7 @@ async fn bulk_actions_need_yes_when_stdin_is_not_a_terminal() -> Result<()> {
 }
 
 /// A role of its own for the test, with what an operator needs on the test's schema; dropped
-/// by [`Operator::drop_role`].
+/// when it goes out of scope.
 struct Operator {
     name: String,
 }
@@ -295,15 +295,32 @@ impl Operator {
     fn url(&self, db: &TestDb) -> String {
         format!("{}%20-c%20role%3D{}", db.url(), self.name)
     }
+}
 
-    async fn drop_role(self, db: &TestDb) -> Result<()> {
-        let name = &self.name;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "DROP OWNED BY {name}; DROP ROLE {name}"
-        )))
-        .execute(&db.pool)
-        .await?;
-        Ok(())
+impl Drop for Operator {
+    /// Drops the role (a cluster's roles outlive the test's schema), whether the test passed
+    /// or panicked: on a thread of its own, since a test's runtime cannot block.
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let dropped = std::thread::spawn(move || -> Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                use sqlx::Connection;
+                let mut conn = sqlx::PgConnection::connect(&outbox_tests::database_url()).await?;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP OWNED BY {name}; DROP ROLE {name}"
+                )))
+                .execute(&mut conn)
+                .await?;
+                Ok(())
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop role {}: {dropped:?}", self.name);
+        }
     }
 }
 
@@ -411,6 +428,20 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
         "{stdout}"
     );
 
+    // The time and roles are the server's, whatever an insert says.
+    let stamped: (String, bool) = sqlx::query_as(
+        "INSERT INTO outbox_quarantine_audit \
+            (at, action, side, table_name, row_ids, event_ids, consumers, db_user, db_session_user) \
+         VALUES ('2000-01-01', 'discard', 'relay', 'x', '{}', '{}', '{}', 'mallory', 'mallory') \
+         RETURNING db_user, at = now()",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(stamped, (superuser.clone(), true));
+    sqlx::query("DELETE FROM outbox_quarantine_audit WHERE table_name = 'x'")
+        .execute(&db.pool)
+        .await?;
+
     // A role that cannot write the audit cannot act either: the action and its record are
     // one statement.
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -424,7 +455,6 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
     assert!(!ok && stderr.contains("permission denied"), "{stderr}");
     assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
     assert_eq!(count(&db, "outbox_quarantine_audit").await?, 2);
-    operator.drop_role(&db).await?;
     Ok(())
 }
 
@@ -495,5 +525,51 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
             .fetch_one(&db.pool)
             .await?;
     assert!(first.contains(&ids[0]), "{first:?}");
+    Ok(())
+}
+
+/// On a terminal (util-linux `script` gives the command one), a bulk action asks, and only a
+/// "y" goes on.
+#[tokio::test]
+async fn a_terminal_is_asked_before_a_bulk_discard() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = quarantine_messages(&db, &[1, 1]).await?;
+    let command = format!(
+        "'{}' quarantine discard consumer {} {}",
+        env!("CARGO_BIN_EXE_outbox"),
+        ids[0],
+        ids[1]
+    );
+    let on_a_terminal = |answer: &str| -> Result<(bool, String)> {
+        let mut child = Command::new("script")
+            .args(["-qec", &command, "/dev/null"])
+            .env("DATABASE_URL", db.url())
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        if let Some(mut input) = child.stdin.take() {
+            input.write_all(answer.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        ))
+    };
+    let (ok, shown) = on_a_terminal("n\n")?;
+    assert!(!ok, "{shown}");
+    assert!(
+        shown.contains("discard 2 rows of")
+            && shown.contains("outbox_consumer_quarantine for consumer billing? [y/N]")
+            && shown.contains("not confirmed; nothing was changed"),
+        "{shown}"
+    );
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
+    let (ok, shown) = on_a_terminal("y\n")?;
+    assert!(ok, "{shown}");
+    assert!(shown.contains("discarded 2 messages"), "{shown}");
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 0);
     Ok(())
 }

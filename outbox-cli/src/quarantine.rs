@@ -297,12 +297,12 @@ fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table
     let mut consumers: Vec<&str> = rows.iter().map(|r| r.consumer.as_str()).collect();
     consumers.sort_unstable();
     consumers.dedup();
-    let plural = if consumers.len() == 1 { "" } else { "s" };
-    format!(
-        "{} rows of {table} for consumer{plural} {}",
-        rows.len(),
-        shown(&consumers.join(", "))
-    )
+    let whose = match consumers.len() {
+        0 => String::new(),
+        1 => format!(" for consumer {}", shown(consumers[0])),
+        _ => format!(" for consumers {}", shown(&consumers.join(", "))),
+    };
+    format!("{} rows of {table}{whose}", rows.len())
 }
 
 /// Text from the database as it may reach a terminal: control characters escaped.

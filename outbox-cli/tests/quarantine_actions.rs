@@ -7,11 +7,11 @@ use std::process::{Command, Stdio};
 use anyhow::Result;
 use outbox_tests::TestDb;
 
-/// Runs `outbox` with `args` on the test's schema, `stdin` fed to it (not a terminal).
-fn outbox_with_stdin(db: &TestDb, args: &[&str], stdin: &str) -> Result<(bool, String, String)> {
+/// Runs `outbox` with `args` on the database at `url`, `stdin` fed to it (not a terminal).
+fn run(url: &str, args: &[&str], stdin: &str) -> Result<(bool, String, String)> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
         .args(args)
-        .env("DATABASE_URL", db.url())
+        .env("DATABASE_URL", url)
         .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -28,8 +28,9 @@ fn outbox_with_stdin(db: &TestDb, args: &[&str], stdin: &str) -> Result<(bool, S
     ))
 }
 
+/// Runs `outbox` with `args` on the test's schema, with nothing on stdin.
 fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {
-    outbox_with_stdin(db, args, "")
+    run(&db.url(), args, "")
 }
 
 /// A user table that has every column the quarantine actions name (`id`, `seq`, `status`).
@@ -236,7 +237,7 @@ async fn bulk_actions_need_yes_when_stdin_is_not_a_terminal() -> Result<()> {
     let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
     let discard = [&["quarantine", "discard", "consumer"][..], &ids].concat();
     // A "y" on a pipe is no confirmation: it may be anything's output.
-    let (ok, _, stderr) = outbox_with_stdin(&db, &discard, "y\n")?;
+    let (ok, _, stderr) = run(&db.url(), &discard, "y\n")?;
     assert!(!ok);
     assert!(
         stderr.contains("refusing to discard 3 rows of")
@@ -324,20 +325,6 @@ impl Drop for Operator {
     }
 }
 
-fn outbox_as(url: &str, args: &[&str]) -> Result<(bool, String, String)> {
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null())
-        .output()?;
-    Ok((
-        out.status.success(),
-        String::from_utf8(out.stdout)?,
-        String::from_utf8(out.stderr)?,
-    ))
-}
-
 /// Each requeue and discard leaves one audit row: what, on which rows and events, when, by
 /// which role (the one acting and the one logged in), and why; and none commits without it.
 #[tokio::test]
@@ -356,7 +343,7 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
     .fetch_all(&db.pool)
     .await?;
     let (seq1, seq2) = (events[0].0.to_string(), events[1].0.to_string());
-    let (ok, stdout, stderr) = outbox_as(
+    let (ok, stdout, stderr) = run(
         &url,
         &[
             "quarantine",
@@ -368,13 +355,15 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
             "--reason",
             "topic fixed, INC-7",
         ],
+        "",
     )?;
     assert!(ok, "{stderr}");
     assert_eq!(stdout.trim(), "requeued 2 rows");
     let (m2, m4) = (messages[1].to_string(), messages[3].to_string());
-    let (ok, stdout, stderr) = outbox_as(
+    let (ok, stdout, stderr) = run(
         &url,
         &["quarantine", "discard", "consumer", &m2, &m4, "--yes"],
+        "",
     )?;
     assert!(ok, "{stderr}");
     assert_eq!(stdout.trim(), "discarded 2 messages");
@@ -451,7 +440,7 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
     .execute(&db.pool)
     .await?;
     let m1 = messages[0].to_string();
-    let (ok, _, stderr) = outbox_as(&url, &["quarantine", "discard", "consumer", &m1])?;
+    let (ok, _, stderr) = run(&url, &["quarantine", "discard", "consumer", &m1], "")?;
     assert!(!ok && stderr.contains("permission denied"), "{stderr}");
     assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
     assert_eq!(count(&db, "outbox_quarantine_audit").await?, 2);

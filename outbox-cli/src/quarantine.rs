@@ -256,7 +256,8 @@ pub(crate) async fn run(
             confirmation,
         } => {
             let table = outbox_consumer::quarantine::verify(conn, tables).await?;
-            if ids.len() > 1 {
+            // Read only to ask (they hold whole payloads): not with --yes.
+            if ids.len() > 1 && !confirmation.yes {
                 let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
                 let what = format!("discard {}", consumer_rows(&rows, &table));
                 confirm(&what, confirmation.yes)?;

@@ -154,7 +154,9 @@ async fn main() -> Result<()> {
                 println!("removed {removed} rows");
             }
             PruneTarget::Quarantine => {
-                let table = outbox_consumer::quarantine::verify(&mut conn, &tables).await?;
+                let table = quarantine::shown(
+                    &outbox_consumer::quarantine::verify(&mut conn, &tables).await?,
+                );
                 let what = format!(
                     "delete every message of {table} quarantined more than {} ago",
                     humantime::format_duration(older_than)

@@ -157,7 +157,7 @@ pub(crate) async fn run(
             confirmation,
             ..
         } => {
-            let table = outbox_producer::quarantine::verify(conn, tables).await?;
+            let table = shown(&outbox_producer::quarantine::verify(conn, tables).await?);
             if ids.len() > 1 {
                 let what = format!("requeue {} rows of {table} (relay side)", ids.len());
                 confirm(&what, confirmation.yes)?;
@@ -182,7 +182,7 @@ pub(crate) async fn run(
             );
             // Checked before anything is published: copies of a user table's rows must not
             // reach a topic either.
-            let table = outbox_consumer::quarantine::verify(conn, tables).await?;
+            let table = shown(&outbox_consumer::quarantine::verify(conn, tables).await?);
             let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
             ensure!(
                 rows.len() == ids.len(),
@@ -241,7 +241,7 @@ pub(crate) async fn run(
             ids,
             confirmation,
         } => {
-            let table = outbox_producer::quarantine::verify(conn, tables).await?;
+            let table = shown(&outbox_producer::quarantine::verify(conn, tables).await?);
             if ids.len() > 1 {
                 let what = format!("discard {} rows of {table} (relay side)", ids.len());
                 confirm(&what, confirmation.yes)?;
@@ -255,7 +255,7 @@ pub(crate) async fn run(
             ids,
             confirmation,
         } => {
-            let table = outbox_consumer::quarantine::verify(conn, tables).await?;
+            let table = shown(&outbox_consumer::quarantine::verify(conn, tables).await?);
             // Read only to ask (they hold whole payloads): not with --yes.
             if ids.len() > 1 && !confirmation.yes {
                 let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
@@ -279,7 +279,7 @@ pub(crate) async fn run(
                     e.at.to_rfc3339(),
                     e.action,
                     e.side,
-                    e.table_name,
+                    shown(&e.table_name),
                     rows.join(","),
                     shown(&e.consumers.join(",")),
                     shown(&e.db_user),
@@ -307,6 +307,6 @@ fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table
 }
 
 /// Text from the database as it may reach a terminal: control characters escaped.
-fn shown(text: &str) -> String {
+pub(crate) fn shown(text: &str) -> String {
     text.escape_debug().to_string()
 }

@@ -5,13 +5,16 @@
 //! outbox status [--json]
 //! outbox prune dedup --older-than 7d
 //! outbox prune published --older-than 3d
+//! outbox prune quarantine --older-than 30d --yes
 //! outbox quarantine list relay|consumer [--json]
-//! outbox quarantine show|requeue|discard relay|consumer ID...
+//! outbox quarantine show|requeue|discard relay|consumer ID... [--reason TEXT] [--yes]
+//! outbox quarantine audit [--json]
 //! outbox relay --brokers 127.0.0.1:9092
 //! ```
 //! The database comes from `--database-url` or `DATABASE_URL`; tables resolve through its
 //! `search_path`.
 
+mod confirm;
 mod quarantine;
 mod relay;
 mod status;
@@ -66,6 +69,10 @@ enum Command {
         /// Rows deleted per statement.
         #[arg(long, default_value_t = 1000)]
         batch: u32,
+        /// `quarantine`: go on without asking (required when stdin is not a terminal, as
+        /// from cron).
+        #[arg(long)]
+        yes: bool,
     },
     /// Inspect, requeue or discard quarantined entries.
     Quarantine {
@@ -82,6 +89,9 @@ enum PruneTarget {
     Dedup,
     /// Outbox rows already published.
     Published,
+    /// Messages in the consumer quarantine, whoever looked at them or not (audited per
+    /// batch); asks first unless `--yes`.
+    Quarantine,
 }
 
 #[tokio::main]
@@ -129,6 +139,7 @@ async fn main() -> Result<()> {
             what,
             older_than,
             batch,
+            yes,
         } => match what {
             PruneTarget::Dedup => {
                 let pruned = outbox_consumer::prune(&mut conn, &tables, older_than, batch).await?;
@@ -141,6 +152,20 @@ async fn main() -> Result<()> {
                 let removed =
                     outbox_producer::prune_published(&mut conn, &tables, older_than, batch).await?;
                 println!("removed {removed} rows");
+            }
+            PruneTarget::Quarantine => {
+                let table = quarantine::shown(
+                    &outbox_consumer::quarantine::verify(&mut conn, &tables).await?,
+                );
+                let what = format!(
+                    "delete every message of {table} quarantined more than {} ago",
+                    humantime::format_duration(older_than)
+                );
+                confirm::confirm(&what, yes)?;
+                let removed =
+                    outbox_consumer::prune_quarantine(&mut conn, &tables, older_than, batch)
+                        .await?;
+                println!("removed {removed} quarantined messages");
             }
         },
     }

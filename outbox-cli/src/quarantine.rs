@@ -1,13 +1,18 @@
-//! `outbox quarantine ...`: look at, requeue or discard what either side quarantined.
+//! `outbox quarantine ...`: look at, requeue or discard what either side quarantined, and
+//! read the record of those actions. Requeue and discard act only on a table the migrations
+//! registered as that side's quarantine, record themselves in `outbox_quarantine_audit` in the
+//! statement that acts, and ask before acting on more than one row.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use clap::{Subcommand, ValueEnum};
-use outbox_core::{TableNames, wire};
+use outbox_core::{ActionNote, TableNames, wire};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgConnection;
+
+use crate::confirm::confirm;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Side {
@@ -15,6 +20,25 @@ pub(crate) enum Side {
     Relay,
     /// Messages a consumer could not handle (ids are quarantine row ids).
     Consumer,
+}
+
+/// What every requeue and discard takes besides its rows.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Confirmation {
+    /// Why, recorded with the action in `outbox_quarantine_audit`.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Act on more than one row without asking (required when stdin is not a terminal).
+    #[arg(long)]
+    yes: bool,
+}
+
+impl Confirmation {
+    fn note(&self) -> ActionNote {
+        self.reason
+            .as_ref()
+            .map_or_else(ActionNote::new, |r| ActionNote::new().reason(r))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -46,12 +70,24 @@ pub(crate) enum Action {
         /// has is skipped by all).
         #[arg(long)]
         to_consumer: Option<String>,
+        #[command(flatten)]
+        confirmation: Confirmation,
     },
     /// Delete entries for good.
     Discard {
         side: Side,
         #[arg(required = true)]
         ids: Vec<i64>,
+        #[command(flatten)]
+        confirmation: Confirmation,
+    },
+    /// The newest requeues, discards and prunes: what, when, by which database role, why.
+    Audit {
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -118,9 +154,16 @@ pub(crate) async fn run(
         Action::Requeue {
             side: Side::Relay,
             ids,
+            confirmation,
             ..
         } => {
-            let n = outbox_producer::quarantine::requeue(conn, tables, &ids).await?;
+            let table = shown(&outbox_producer::quarantine::verify(conn, tables).await?);
+            if ids.len() > 1 {
+                let what = format!("requeue {} rows of {table} (relay side)", ids.len());
+                confirm(&what, confirmation.yes)?;
+            }
+            let note = confirmation.note();
+            let n = outbox_producer::quarantine::requeue(conn, tables, &ids, &note).await?;
             println!("requeued {n} rows");
         }
         Action::Requeue {
@@ -128,6 +171,7 @@ pub(crate) async fn run(
             ids,
             brokers,
             to_consumer,
+            confirmation,
         } => {
             let brokers = brokers.context(
                 "consumer requeue publishes to Kafka: pass --brokers or set KAFKA_BROKERS",
@@ -136,7 +180,9 @@ pub(crate) async fn run(
                 to_consumer.as_deref() != Some(""),
                 "--to-consumer takes a consumer name"
             );
-            let producer: FutureProducer = outbox_producer::producer_config(&brokers).create()?;
+            // Checked before anything is published: copies of a user table's rows must not
+            // reach a topic either.
+            let table = shown(&outbox_consumer::quarantine::verify(conn, tables).await?);
             let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
             ensure!(
                 rows.len() == ids.len(),
@@ -144,6 +190,11 @@ pub(crate) async fn run(
                 rows.len(),
                 ids.len()
             );
+            if rows.len() > 1 {
+                let what = format!("requeue {}", consumer_rows(&rows, &table));
+                confirm(&what, confirmation.yes)?;
+            }
+            let producer: FutureProducer = outbox_producer::producer_config(&brokers).create()?;
             for r in &rows {
                 // For its consumer alone: every group reads the topic, and the others handled
                 // the original (their dedup rows for it are pruned in time).
@@ -171,30 +222,91 @@ pub(crate) async fn run(
                 if let Some(payload) = &r.payload {
                     record = record.payload(payload);
                 }
-                producer
+                let copy = producer
                     .send(record, Duration::from_secs(30))
                     .await
                     .map_err(|(e, _)| e)?;
                 // Deleted only after the broker acknowledged the copy: at worst it is both
                 // republished and still listed, never lost.
-                outbox_consumer::quarantine::discard(conn, tables, &[r.id]).await?;
+                let note = confirmation.note().detail("to_consumer", target).detail(
+                    "copy",
+                    serde_json::json!({ "topic": r.topic, "partition": copy.partition, "offset": copy.offset }),
+                );
+                outbox_consumer::quarantine::requeued(conn, tables, &[r.id], &note).await?;
             }
             println!("requeued {} messages", rows.len());
         }
         Action::Discard {
             side: Side::Relay,
             ids,
+            confirmation,
         } => {
-            let n = outbox_producer::quarantine::discard(conn, tables, &ids).await?;
+            let table = shown(&outbox_producer::quarantine::verify(conn, tables).await?);
+            if ids.len() > 1 {
+                let what = format!("discard {} rows of {table} (relay side)", ids.len());
+                confirm(&what, confirmation.yes)?;
+            }
+            let note = confirmation.note();
+            let n = outbox_producer::quarantine::discard(conn, tables, &ids, &note).await?;
             println!("discarded {n} rows");
         }
         Action::Discard {
             side: Side::Consumer,
             ids,
+            confirmation,
         } => {
-            let n = outbox_consumer::quarantine::discard(conn, tables, &ids).await?;
+            let table = shown(&outbox_consumer::quarantine::verify(conn, tables).await?);
+            // Read only to ask (they hold whole payloads): not with --yes.
+            if ids.len() > 1 && !confirmation.yes {
+                let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
+                let what = format!("discard {}", consumer_rows(&rows, &table));
+                confirm(&what, confirmation.yes)?;
+            }
+            let note = confirmation.note();
+            let n = outbox_consumer::quarantine::discard(conn, tables, &ids, &note).await?;
             println!("discarded {n} messages");
+        }
+        Action::Audit { limit, json } => {
+            let entries = outbox_core::quarantine_audit(conn, limit).await?;
+            if json {
+                println!("{}", serde_json::to_string(&entries)?);
+            }
+            for e in entries.iter().filter(|_| !json) {
+                let rows = e.row_ids.iter().map(i64::to_string).collect::<Vec<_>>();
+                println!(
+                    "{}\t{}\t{} {}\t{}\trows={}\tconsumers={}\tby={}/{}\t{}\t{}",
+                    e.id,
+                    e.at.to_rfc3339(),
+                    e.action,
+                    e.side,
+                    shown(&e.table_name),
+                    rows.join(","),
+                    shown(&e.consumers.join(",")),
+                    shown(&e.db_user),
+                    shown(&e.db_session_user),
+                    shown(e.reason.as_deref().unwrap_or("")),
+                    serde_json::Value::Object(e.detail.0.clone()),
+                );
+            }
         }
     }
     Ok(())
+}
+
+/// "3 rows of <table> for consumer billing": what a consumer-side action is about to touch.
+fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table: &str) -> String {
+    let mut consumers: Vec<&str> = rows.iter().map(|r| r.consumer.as_str()).collect();
+    consumers.sort_unstable();
+    consumers.dedup();
+    let whose = match consumers.len() {
+        0 => String::new(),
+        1 => format!(" for consumer {}", shown(consumers[0])),
+        _ => format!(" for consumers {}", shown(&consumers.join(", "))),
+    };
+    format!("{} rows of {table}{whose}", rows.len())
+}
+
+/// Text from the database as it may reach a terminal: control characters escaped.
+pub(crate) fn shown(text: &str) -> String {
+    text.escape_debug().to_string()
 }

@@ -4,15 +4,11 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 use outbox_producer::NewEvent;
-use outbox_tests::{TestDb, database_url};
+use outbox_tests::TestDb;
 
 /// The test database's URL with the test's schema as `search_path`.
 fn schema_url(db: &TestDb) -> String {
-    format!(
-        "{}?options=-c%20search_path%3D{}",
-        database_url(),
-        db.schema
-    )
+    db.url()
 }
 
 fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {
@@ -291,6 +287,20 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
             .get(outbox_core::wire::HEADER_REQUEUE_FOR)
             .map(String::as_str),
         Some("billing-v2")
+    );
+    // Recorded as a requeue of that row, with where its copy went.
+    let (rows, detail): (Vec<i64>, serde_json::Value) = sqlx::query_as(
+        "SELECT row_ids, detail FROM outbox_quarantine_audit WHERE action = 'requeue'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(rows, [ids[0]]);
+    assert_eq!(
+        detail,
+        serde_json::json!({
+            "to_consumer": "billing-v2",
+            "copy": {"topic": topic, "partition": 0, "offset": records[0].offset},
+        })
     );
 
     let (ok, stdout, _) = outbox(

@@ -86,6 +86,7 @@ mod prefetch;
 mod prune;
 mod pruner;
 pub mod quarantine;
+mod quarantine_prune;
 mod requeue;
 mod runner;
 mod slice;
@@ -109,5 +110,6 @@ pub use outbox_core::{
 };
 pub use prune::{DedupPruned, prune};
 pub use pruner::DedupPruner;
+pub use quarantine_prune::{prune_quarantine, prune_quarantine_batch};
 pub use runner::consumer_config;
 pub use slice::{TIMELESS, dedup_slice, ensure_dedup_slices, today};

@@ -16,7 +16,9 @@
 //! cluster failed over) gets its own row.
 
 use chrono::{DateTime, Utc};
-use outbox_core::{QuarantineTable, TableNames};
+use outbox_core::{
+    ActionNote, QuarantineAction, QuarantineColumns, QuarantineSide, QuarantineTable, TableNames,
+};
 use rdkafka::Message;
 use rdkafka::message::OwnedMessage;
 use serde_json::{Map, Value};
@@ -273,11 +275,21 @@ fn header_bytes(value: &Value) -> Option<Option<Vec<u8>>> {
     }
 }
 
-const COLUMNS: &str = "id, consumer, topic, partition, \"offset\", event_id, reason, error, quarantined_at, \
-                       message_key, payload, headers, header_bytes";
+const COLUMNS: QuarantineColumns = QuarantineColumns {
+    all: "id, consumer, topic, partition, \"offset\", event_id, reason, error, quarantined_at, \
+          message_key, payload, headers, header_bytes",
+    key: "id",
+    held: "TRUE",
+    event_id: "event_id",
+    consumer: "consumer",
+};
 
-fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
-    QuarantineTable::new(&tables.consumer_quarantine, COLUMNS, "id", "TRUE")
+pub(crate) fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
+    QuarantineTable::new(
+        QuarantineSide::Consumer,
+        &tables.consumer_quarantine,
+        &COLUMNS,
+    )
 }
 
 /// The oldest `limit` quarantined messages, of every consumer.
@@ -298,13 +310,45 @@ pub async fn get_quarantined(
     Ok(quarantine(tables).get(conn, ids).await?)
 }
 
-/// Deletes quarantined messages (after they were requeued, or to drop them for good).
+/// Checks that `tables.consumer_quarantine` is a consumer quarantine the migrations made
+/// (registered in `outbox_quarantine_tables`); returns its schema-qualified name, or
+/// `CoreError::NotAQuarantineTable`. Check before publishing copies of its rows: `requeued`
+/// and `discard` check it again themselves.
+pub async fn verify(conn: &mut PgConnection, tables: &TableNames) -> Result<String, ConsumerError> {
+    Ok(quarantine(tables).verify(conn).await?)
+}
+
+/// Deletes quarantined messages for good, and records it (with `note`) in
+/// `outbox_quarantine_audit`, in one statement. Returns how many there were. A table that is
+/// not a registered consumer quarantine is refused with `CoreError::NotAQuarantineTable`,
+/// nothing changed.
 pub async fn discard(
     conn: &mut PgConnection,
     tables: &TableNames,
     ids: &[i64],
+    note: &ActionNote,
 ) -> Result<u64, ConsumerError> {
-    Ok(quarantine(tables).discard(conn, ids).await?)
+    Ok(quarantine(tables).discard(conn, ids, note).await?)
+}
+
+/// Deletes quarantined messages once copies of them were published again (the broker
+/// acknowledged them), recorded in `outbox_quarantine_audit` as a requeue (with `note`: where
+/// the copies went), in one statement. Returns how many there were; checked as [`discard`].
+pub async fn requeued(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    ids: &[i64],
+    note: &ActionNote,
+) -> Result<u64, ConsumerError> {
+    let quarantine = quarantine(tables);
+    let table = &tables.consumer_quarantine;
+    let delete = format!(
+        "DELETE FROM {table} WHERE id = ANY($1) {}",
+        quarantine.returning()
+    );
+    Ok(quarantine
+        .act(conn, QuarantineAction::Requeue, &delete, ids, note)
+        .await?)
 }
 
 #[cfg(test)]

@@ -36,6 +36,17 @@ pub enum CoreError {
         /// librdkafka's reason, escaped, without the configuration's values.
         reason: String,
     },
+    /// A quarantine action named a table that is not that side's quarantine (not listed in
+    /// `outbox_quarantine_tables`); nothing was changed.
+    #[error("{table} is not a quarantine table of the {side} side ({why}); nothing was changed")]
+    NotAQuarantineTable {
+        /// The table as named.
+        table: String,
+        /// The side it was named for.
+        side: crate::QuarantineSide,
+        /// Why it does not qualify.
+        why: &'static str,
+    },
     /// A database error.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

@@ -25,6 +25,7 @@ mod metrics_endpoint;
 mod migrate;
 mod partition;
 mod prune;
+mod quarantine_audit;
 mod quarantine_table;
 pub mod redact;
 mod retry;
@@ -41,5 +42,8 @@ pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};
 pub use partition::{java_partition, murmur2};
 pub use prune::{delete_in_batches, delete_while_full, prune_unlock, try_prune_lock};
-pub use quarantine_table::QuarantineTable;
+pub use quarantine_audit::{AuditEntry, quarantine_audit};
+pub use quarantine_table::{
+    ActionNote, QuarantineAction, QuarantineColumns, QuarantineSide, QuarantineTable,
+};
 pub use retry::backoff;

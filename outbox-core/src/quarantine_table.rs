@@ -1,37 +1,137 @@
 //! What the relay's and the consumer's quarantines share: operators name entries by an integer
-//! key, list the oldest, look some up, and delete them. The two differ in their tables and
-//! columns, and in which rows are quarantined (the outbox keeps every row with a status; the
-//! consumer's table holds quarantined messages only).
+//! key, list the oldest, look some up, and requeue, discard or prune them. The two differ in
+//! their tables and columns, and in which rows are quarantined (the outbox keeps every row with
+//! a status; the consumer's table holds quarantined messages only).
+//!
+//! An action changes a table only when migration 0010's registry, `outbox_quarantine_tables`,
+//! lists it (by oid) as that side's quarantine: a table name is operator input, and a mistyped
+//! one must not delete a user's rows. Each action writes its row in `outbox_quarantine_audit`
+//! in the statement that acts, so one never commits without the other, whatever transaction
+//! the caller runs it in.
 
 use sqlx::postgres::PgRow;
+use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, FromRow, PgConnection};
 
-use crate::Ident;
+use crate::{CoreError, Ident};
+
+/// Which side's quarantine a table is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum QuarantineSide {
+    /// The outbox: rows the relay could not publish.
+    Relay,
+    /// A consumer quarantine table: messages a consumer could not handle.
+    Consumer,
+}
+
+impl QuarantineSide {
+    /// The side's name in the registry and the audit.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Relay => "relay",
+            Self::Consumer => "consumer",
+        }
+    }
+}
+
+impl std::fmt::Display for QuarantineSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What an operator did to quarantined rows, as the audit records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QuarantineAction {
+    /// Made pending again (relay) or published again and removed (consumer).
+    Requeue,
+    /// Deleted for good.
+    Discard,
+    /// Deleted for its age.
+    Prune,
+}
+
+impl QuarantineAction {
+    const fn as_str(self) -> &'static str {
+        match self {
+            Self::Requeue => "requeue",
+            Self::Discard => "discard",
+            Self::Prune => "prune",
+        }
+    }
+}
+
+/// Why an action was taken, and what else it took, for its audit row.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ActionNote {
+    /// The operator's reason, free text.
+    pub reason: Option<String>,
+    /// Parameters of the action (a requeue's target consumer, where its copy went).
+    pub detail: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ActionNote {
+    /// A note with no reason and no detail.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With the operator's reason.
+    #[must_use]
+    pub fn reason(mut self, reason: impl Into<String>) -> Self {
+        self.reason = Some(reason.into());
+        self
+    }
+
+    /// With one more detail.
+    #[must_use]
+    pub fn detail(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.detail.insert(key.to_owned(), value.into());
+        self
+    }
+}
+
+/// The columns of one side's quarantine, as SQL.
+#[derive(Debug, Clone, Copy)]
+pub struct QuarantineColumns {
+    /// Selected by `list` and `get`.
+    pub all: &'static str,
+    /// Names an entry (an integer column).
+    pub key: &'static str,
+    /// The condition of a quarantined row (`TRUE` when every row is).
+    pub held: &'static str,
+    /// The event id (a UUID column, may be NULL).
+    pub event_id: &'static str,
+    /// The consumer whose entry it is (`NULL::text` where there is none).
+    pub consumer: &'static str,
+}
 
 /// One side's quarantine, for the operator's actions on it.
 #[derive(Debug, Clone, Copy)]
 pub struct QuarantineTable<'a> {
+    side: QuarantineSide,
     table: &'a Ident,
-    columns: &'static str,
-    key: &'static str,
-    held: &'static str,
+    columns: &'static QuarantineColumns,
 }
 
 impl<'a> QuarantineTable<'a> {
-    /// `columns` are selected, `key` names an entry (an integer column), and `held` is the
-    /// SQL condition of a quarantined row (`TRUE` when every row is).
+    /// `table`, said to be `side`'s quarantine (checked before any change).
     #[must_use]
     pub const fn new(
+        side: QuarantineSide,
         table: &'a Ident,
-        columns: &'static str,
-        key: &'static str,
-        held: &'static str,
+        columns: &'static QuarantineColumns,
     ) -> Self {
         Self {
+            side,
             table,
             columns,
-            key,
-            held,
         }
     }
 
@@ -40,13 +140,9 @@ impl<'a> QuarantineTable<'a> {
     where
         T: for<'r> FromRow<'r, PgRow> + Send + Unpin,
     {
-        let Self {
-            table,
-            columns,
-            key,
-            held,
-        } = self;
-        let query = format!("SELECT {columns} FROM {table} WHERE {held} ORDER BY {key} LIMIT $1");
+        let table = self.table;
+        let QuarantineColumns { all, key, held, .. } = self.columns;
+        let query = format!("SELECT {all} FROM {table} WHERE {held} ORDER BY {key} LIMIT $1");
         sqlx::query_as(AssertSqlSafe(query))
             .bind(limit)
             .fetch_all(conn)
@@ -58,31 +154,169 @@ impl<'a> QuarantineTable<'a> {
     where
         T: for<'r> FromRow<'r, PgRow> + Send + Unpin,
     {
-        let Self {
-            table,
-            columns,
-            key,
-            held,
-        } = self;
-        let query = format!(
-            "SELECT {columns} FROM {table} WHERE {held} AND {key} = ANY($1) ORDER BY {key}"
-        );
+        let table = self.table;
+        let QuarantineColumns { all, key, held, .. } = self.columns;
+        let query =
+            format!("SELECT {all} FROM {table} WHERE {held} AND {key} = ANY($1) ORDER BY {key}");
         sqlx::query_as(AssertSqlSafe(query))
             .bind(keys)
             .fetch_all(conn)
             .await
     }
 
-    /// Deletes the quarantined entries with the given keys; returns how many there were.
-    pub async fn discard(&self, conn: &mut PgConnection, keys: &[i64]) -> Result<u64, sqlx::Error> {
-        let Self {
-            table, key, held, ..
-        } = self;
-        let query = format!("DELETE FROM {table} WHERE {held} AND {key} = ANY($1)");
-        Ok(sqlx::query(AssertSqlSafe(query))
-            .bind(keys)
-            .execute(conn)
-            .await?
-            .rows_affected())
+    /// Checks that the table is registered as this side's quarantine; returns its
+    /// schema-qualified name, or [`CoreError::NotAQuarantineTable`].
+    pub async fn verify(&self, conn: &mut PgConnection) -> Result<String, CoreError> {
+        let refuse = |why| CoreError::NotAQuarantineTable {
+            table: self.table.as_str().to_owned(),
+            side: self.side,
+            why,
+        };
+        let (exists, registry): (bool, bool) = sqlx::query_as(
+            "SELECT to_regclass($1) IS NOT NULL, to_regclass('outbox_quarantine_tables') IS NOT NULL",
+        )
+        .bind(self.table.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
+        if !exists {
+            return Err(refuse("no such table"));
+        }
+        if !registry {
+            return Err(refuse(
+                "outbox_quarantine_tables does not exist: run `outbox migrate`",
+            ));
+        }
+        let name: Option<String> = sqlx::query_scalar(
+            "SELECT format('%I.%I', n.nspname, c.relname) FROM outbox_quarantine_tables r \
+             JOIN pg_class c ON c.oid = r.table_oid JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE r.table_oid = to_regclass($1) AND r.side = $2",
+        )
+        .bind(self.table.as_str())
+        .bind(self.side.as_str())
+        .fetch_optional(&mut *conn)
+        .await?;
+        name.ok_or_else(|| {
+            refuse("not listed in outbox_quarantine_tables for this side (the migrations list the tables they create)")
+        })
     }
+
+    /// The `RETURNING` clause an action's statement ends with: each row's key, event id and
+    /// consumer, as the audit takes them.
+    #[must_use]
+    pub fn returning(&self) -> String {
+        let QuarantineColumns {
+            key,
+            event_id,
+            consumer,
+            ..
+        } = self.columns;
+        format!("RETURNING {key} AS row_id, {event_id} AS event_id, {consumer} AS consumer")
+    }
+
+    /// Deletes the quarantined entries with the given keys, audited; returns how many there
+    /// were.
+    pub async fn discard(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[i64],
+        note: &ActionNote,
+    ) -> Result<u64, CoreError> {
+        let table = self.table;
+        let QuarantineColumns { key, held, .. } = self.columns;
+        let delete = format!(
+            "DELETE FROM {table} WHERE {held} AND {key} = ANY($1) {}",
+            self.returning()
+        );
+        self.act(conn, QuarantineAction::Discard, &delete, keys, note)
+            .await
+    }
+
+    /// Checks the table ([`Self::verify`]), then runs `change` (built from validated names
+    /// only: an `UPDATE` or `DELETE` of the rows whose keys are `$1`, ending with
+    /// [`Self::returning`]) and writes the action's audit row in the same statement. Returns
+    /// how many rows it changed.
+    pub async fn act(
+        &self,
+        conn: &mut PgConnection,
+        action: QuarantineAction,
+        change: &str,
+        keys: &[i64],
+        note: &ActionNote,
+    ) -> Result<u64, CoreError> {
+        let name = self.verify(conn).await?;
+        let query = format!(
+            "WITH acted AS ({change}), \
+             audit AS (INSERT INTO outbox_quarantine_audit \
+                 (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
+                 {} RETURNING cardinality(row_ids)) \
+             SELECT * FROM audit",
+            audit_select("acted", "$2", "$3", "$4", "$5", "$6")
+        );
+        let changed: i32 = sqlx::query_scalar(AssertSqlSafe(query))
+            .bind(keys)
+            .bind(action.as_str())
+            .bind(self.side.as_str())
+            .bind(name)
+            .bind(note.reason.as_deref())
+            .bind(Json(&note.detail))
+            .fetch_one(conn)
+            .await?;
+        Ok(u64::try_from(changed).unwrap_or(0))
+    }
+
+    /// A statement for [`crate::delete_in_batches`] that deletes quarantined entries whose
+    /// `time` column (a `timestamptz` with an index) is older than `$1` ms, `$2` at a time,
+    /// from `$3` on, in `time` order, and writes one audit row per batch that deleted any.
+    /// Check the table with [`Self::verify`] first.
+    #[must_use]
+    pub fn prune_statement(&self, time: &str) -> String {
+        let table = self.table;
+        let QuarantineColumns { key, held, .. } = self.columns;
+        // The name is a validated identifier, so it can stand in a literal.
+        let name = format!(
+            "(SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c \
+              JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = '{table}'::regclass)"
+        );
+        format!(
+            "WITH gone AS ( \
+                DELETE FROM {table} WHERE {key} IN ( \
+                    SELECT {key} FROM {table} WHERE {held} \
+                      AND {time} < now() - $1 * interval '1 millisecond' \
+                      AND {time} >= coalesce($3, '-infinity'::timestamptz) \
+                    ORDER BY {time} LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                {}, {time} AS at), \
+             audit AS (INSERT INTO outbox_quarantine_audit \
+                 (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
+                 {} HAVING count(*) > 0) \
+             SELECT count(*), max(at) FROM gone",
+            self.returning(),
+            audit_select(
+                "gone",
+                "'prune'",
+                &format!("'{}'", self.side.as_str()),
+                &name,
+                "NULL",
+                "jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint)",
+            )
+        )
+    }
+}
+
+/// The `SELECT` of an audit row over the rows a statement acted on (the CTE `source`).
+fn audit_select(
+    source: &str,
+    action: &str,
+    side: &str,
+    table: &str,
+    reason: &str,
+    detail: &str,
+) -> String {
+    format!(
+        "SELECT {action}, {side}, {table}, \
+                coalesce(array_agg(row_id ORDER BY row_id), '{{}}'), \
+                coalesce(array_agg(event_id ORDER BY row_id), '{{}}'), \
+                coalesce(array_agg(DISTINCT consumer) FILTER (WHERE consumer IS NOT NULL), '{{}}'), \
+                {reason}, {detail} \
+         FROM {source}"
+    )
 }

@@ -1,8 +1,12 @@
-//! Operator actions on quarantined outbox rows.
+//! Operator actions on quarantined outbox rows. `requeue` and `discard` act only on an outbox
+//! the migrations registered (`outbox_quarantine_tables`), and record each action in
+//! `outbox_quarantine_audit` in the statement that acts (`outbox_core::QuarantineTable`).
 
 use chrono::{DateTime, Utc};
-use outbox_core::{QuarantineTable, TableNames};
-use sqlx::{AssertSqlSafe, PgConnection};
+use outbox_core::{
+    ActionNote, QuarantineAction, QuarantineColumns, QuarantineSide, QuarantineTable, TableNames,
+};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::ProducerError;
@@ -33,11 +37,23 @@ pub struct QuarantinedRow {
     pub created_at: DateTime<Utc>,
 }
 
-const COLUMNS: &str =
-    "seq, id, aggregatetype, aggregateid, type, topic, attempts, last_error, created_at";
+const COLUMNS: QuarantineColumns = QuarantineColumns {
+    all: "seq, id, aggregatetype, aggregateid, type, topic, attempts, last_error, created_at",
+    key: "seq",
+    held: "status = 'quarantined'",
+    event_id: "id",
+    consumer: "NULL::text",
+};
 
 fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
-    QuarantineTable::new(&tables.outbox, COLUMNS, "seq", "status = 'quarantined'")
+    QuarantineTable::new(QuarantineSide::Relay, &tables.outbox, &COLUMNS)
+}
+
+/// Checks that `tables.outbox` is an outbox the migrations made (registered in
+/// `outbox_quarantine_tables`); returns its schema-qualified name, or
+/// `CoreError::NotAQuarantineTable`. `requeue` and `discard` check it themselves.
+pub async fn verify(conn: &mut PgConnection, tables: &TableNames) -> Result<String, ProducerError> {
+    Ok(quarantine(tables).verify(conn).await?)
 }
 
 /// The oldest `limit` quarantined rows.
@@ -58,8 +74,10 @@ pub async fn get_quarantined(
     Ok(quarantine(tables).get(conn, seqs).await?)
 }
 
-/// Makes quarantined rows pending again, with a fresh attempt count. Returns how many rows
-/// were requeued.
+/// Makes quarantined rows pending again, with a fresh attempt count, and records it (with
+/// `note`) in `outbox_quarantine_audit`, in one statement. Returns how many rows were
+/// requeued. A table that is not a registered outbox is refused with
+/// `CoreError::NotAQuarantineTable`, nothing changed.
 ///
 /// The relay publishes requeued rows of a key in `seq` order, and before any later row of the
 /// key still pending. Where a requeued row lands among what was already published depends on
@@ -71,24 +89,29 @@ pub async fn requeue(
     conn: &mut PgConnection,
     tables: &TableNames,
     seqs: &[i64],
+    note: &ActionNote,
 ) -> Result<u64, ProducerError> {
+    let quarantine = quarantine(tables);
     let t = &tables.outbox;
-    let query = format!(
+    let update = format!(
         "UPDATE {t} SET status = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL \
-         WHERE seq = ANY($1) AND status = 'quarantined'"
+         WHERE seq = ANY($1) AND status = 'quarantined' {}",
+        quarantine.returning()
     );
-    Ok(sqlx::query(AssertSqlSafe(query))
-        .bind(seqs)
-        .execute(conn)
-        .await?
-        .rows_affected())
+    Ok(quarantine
+        .act(conn, QuarantineAction::Requeue, &update, seqs, note)
+        .await?)
 }
 
-/// Deletes quarantined rows for good. Returns how many rows were deleted.
+/// Deletes quarantined rows for good, and records it (with `note`) in
+/// `outbox_quarantine_audit`, in one statement. Returns how many rows were deleted. A table
+/// that is not a registered outbox is refused with `CoreError::NotAQuarantineTable`, nothing
+/// changed.
 pub async fn discard(
     conn: &mut PgConnection,
     tables: &TableNames,
     seqs: &[i64],
+    note: &ActionNote,
 ) -> Result<u64, ProducerError> {
-    Ok(quarantine(tables).discard(conn, seqs).await?)
+    Ok(quarantine(tables).discard(conn, seqs, note).await?)
 }

@@ -60,6 +60,15 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// The test database's URL with this schema as `search_path` (for processes: the CLI).
+    pub fn url(&self) -> String {
+        format!(
+            "{}?options=-c%20search_path%3D{}",
+            database_url(),
+            self.schema
+        )
+    }
+
     /// A second pool on this schema whose connections carry `application_name`, so a test
     /// can tell its own backends (or a consumer's effect rows) apart.
     pub async fn pool_named(&self, name: &str) -> Result<PgPool> {

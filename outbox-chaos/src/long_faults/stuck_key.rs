@@ -188,7 +188,9 @@ impl LongFaultPhase<'_> {
         .bind(id)
         .fetch_one(&mut *tx)
         .await?;
-        let discarded = outbox_producer::quarantine::discard(&mut tx, self.tables, &[seq]).await?;
+        let note = outbox_core::ActionNote::new().reason("chaos: the stuck key's operator");
+        let discarded =
+            outbox_producer::quarantine::discard(&mut tx, self.tables, &[seq], &note).await?;
         ensure!(
             discarded == 1,
             "discarding row {seq} deleted {discarded} rows"

@@ -1,0 +1,52 @@
+//! Reading the record of operators' actions on the quarantines (`outbox_quarantine_audit`,
+//! written by [`crate::QuarantineTable`]'s actions).
+
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+use sqlx::types::Json;
+use uuid::Uuid;
+
+/// One action on quarantined rows.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow, serde::Serialize)]
+#[non_exhaustive]
+pub struct AuditEntry {
+    /// Order of the actions.
+    pub id: i64,
+    /// When its transaction began (the server's `now()`).
+    pub at: DateTime<Utc>,
+    /// `requeue`, `discard` or `prune`.
+    pub action: String,
+    /// `relay` or `consumer`.
+    pub side: String,
+    /// The table acted on, schema-qualified.
+    pub table_name: String,
+    /// The rows acted on (relay: `seq`; consumer: quarantine row id).
+    pub row_ids: Vec<i64>,
+    /// Their event ids, in the same order (`None` where the consumer could not decode one).
+    pub event_ids: Vec<Option<Uuid>>,
+    /// Consumer side: whose messages they were.
+    pub consumers: Vec<String>,
+    /// The database role the action ran as (`current_user`).
+    pub db_user: String,
+    /// The role that logged in (`session_user`).
+    pub db_session_user: String,
+    /// The operator's reason.
+    pub reason: Option<String>,
+    /// What else the action took (a requeue's target, a prune's age).
+    pub detail: Json<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// The newest `limit` actions, newest first.
+pub async fn quarantine_audit(
+    conn: &mut PgConnection,
+    limit: i64,
+) -> Result<Vec<AuditEntry>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, at, action, side, table_name, row_ids, event_ids, consumers, db_user, \
+                db_session_user, reason, detail \
+         FROM outbox_quarantine_audit ORDER BY id DESC LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(conn)
+    .await
+}

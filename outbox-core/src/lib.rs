@@ -17,7 +17,9 @@
 
 mod envelope;
 mod error;
+mod escape;
 mod ident;
+pub mod kafka_secrets;
 #[cfg(feature = "prometheus")]
 mod metrics_endpoint;
 mod migrate;
@@ -30,6 +32,7 @@ pub mod wire;
 
 pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
+pub use escape::{Escaped, EscapedBytes, escape, escape_bytes};
 pub use ident::{Ident, TableNames};
 #[cfg(feature = "prometheus")]
 pub use metrics_endpoint::serve_metrics;

@@ -151,7 +151,8 @@ impl std::fmt::Debug for Relay {
 impl Relay {
     /// A relay with a producer built from `kafka`, with `enable.idempotence=true`,
     /// `acks=all` and `partitioner=murmur2_random` (Java's, which Debezium uses) enforced
-    /// (see [`producer_config`] for a starting point).
+    /// (see [`producer_config`] for a starting point). An error building the producer names the
+    /// key it refused, never its value (see [`outbox_core::kafka_secrets`]).
     pub fn new(
         pool: PgPool,
         kafka: &ClientConfig,
@@ -159,7 +160,8 @@ impl Relay {
     ) -> Result<Self, ProducerError> {
         let mut kafka = kafka.clone();
         kafka::enforce_required(&mut kafka);
-        Self::with_producer(pool, kafka.create()?, config)
+        let producer = outbox_core::kafka_secrets::create(&kafka)?;
+        Self::with_producer(pool, producer, config)
     }
 
     /// A relay on an existing producer. It must be configured with `enable.idempotence=true`

@@ -146,11 +146,7 @@ fn parse_file(text: &str, path: &Path) -> Result<Vec<Property>> {
         let Some((key, value)) = split(line) else {
             bail!("{origin}: expected key=value");
         };
-        properties.push(Property {
-            key,
-            value,
-            origin,
-        });
+        properties.push(Property { key, value, origin });
     }
     Ok(properties)
 }
@@ -165,7 +161,9 @@ fn split(text: &str) -> Option<(String, String)> {
 /// One `-X` argument. The error does not show it (it may hold a secret).
 fn parse_argument(argument: &str) -> Result<Property> {
     let Some((key, value)) = split(argument) else {
-        bail!("-X takes key=value (a librdkafka property), and got an argument without a key and '='");
+        bail!(
+            "-X takes key=value (a librdkafka property), and got an argument without a key and '='"
+        );
     };
     Ok(Property {
         key,
@@ -176,7 +174,9 @@ fn parse_argument(argument: &str) -> Result<Property> {
 
 /// The property an `OUTBOX_KAFKA_*` variable stands for.
 fn env_key(name: &str) -> String {
-    name[ENV_PREFIX.len()..].to_ascii_lowercase().replace('_', ".")
+    name[ENV_PREFIX.len()..]
+        .to_ascii_lowercase()
+        .replace('_', ".")
 }
 
 /// The properties among `vars`, and the names of the `OUTBOX_KAFKA_*` variables that name
@@ -209,7 +209,10 @@ fn is_known(key: &str) -> bool {
     // An empty value: setting some properties has effects (loading plugins).
     !matches!(
         ClientConfig::new().set(key, "").create_native_config(),
-        Err(KafkaError::ClientConfig(RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN, ..))
+        Err(KafkaError::ClientConfig(
+            RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN,
+            ..
+        ))
     )
 }
 

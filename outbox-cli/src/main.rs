@@ -106,9 +106,9 @@ fn database_url(cli: &Cli) -> Result<String> {
             .filter(|url| !url.is_empty())
             .with_context(|| format!("{} holds no database URL", path.display()));
     }
-    cli.database_url.clone().context(
-        "no database: pass --database-url or --database-url-file, or set DATABASE_URL",
-    )
+    cli.database_url
+        .clone()
+        .context("no database: pass --database-url or --database-url-file, or set DATABASE_URL")
 }
 
 #[tokio::main]

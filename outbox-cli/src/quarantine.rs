@@ -37,6 +37,9 @@ pub(crate) enum Action {
     /// to their topic and partition (they land after what came since), for the consumer that
     /// quarantined them alone (header `outbox-requeue-for`: other dedup consumers skip them;
     /// clients that are not dedup consumers see them as redeliveries), then delete them here.
+    ///
+    /// Consumer requeues take Kafka settings as `outbox relay` does: --kafka-config,
+    /// OUTBOX_KAFKA_<KEY> variables, --brokers, -X, in that order.
     Requeue {
         side: Side,
         #[arg(required = true)]

@@ -71,6 +71,9 @@ async fn refuse(event: &Event<Payload>, _: &mut PgConnection) -> Result<(), Hand
     )))
 }
 
+/// A quarantine row's `id` and `type` headers and its payload.
+type StoredRow = (Option<String>, Option<String>, Option<Vec<u8>>);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_text_reaches_log_lines_escaped_and_the_quarantine_as_received() -> Result<()> {
     let logs = captured();
@@ -145,7 +148,7 @@ async fn kafka_text_reaches_log_lines_escaped_and_the_quarantine_as_received() -
     );
 
     // The quarantine keeps what was received, unescaped.
-    let stored: Vec<(Option<String>, Option<String>, Option<Vec<u8>>)> = sqlx::query_as(
+    let stored: Vec<StoredRow> = sqlx::query_as(
         "SELECT headers->>'id', headers->>'type', payload \
          FROM outbox_consumer_quarantine ORDER BY \"offset\"",
     )

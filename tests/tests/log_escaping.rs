@@ -15,6 +15,7 @@ use rdkafka::consumer::Consumer;
 use serde::Deserialize;
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
+use tracing::instrument::WithSubscriber;
 
 /// What every hostile string carries: a line break that would start a forged line, a CR that
 /// would overwrite the start of the line on a terminal, and an ANSI colour sequence.
@@ -36,17 +37,29 @@ impl Write for Captured {
     }
 }
 
+impl Captured {
+    /// A `fmt` subscriber (as an application would install, without colours) writing here.
+    fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + use<> {
+        let writer = self.clone();
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish()
+    }
+
+    fn text(&self) -> Result<String> {
+        let buffer = self.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        Ok(String::from_utf8_lossy(&buffer).into_owned())
+    }
+}
+
+/// The global subscriber's capture: the consumer's partition workers are tasks of their own.
 fn captured() -> &'static Captured {
     static CAPTURED: OnceLock<Captured> = OnceLock::new();
     CAPTURED.get_or_init(|| {
         let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).ok();
+        tracing::subscriber::set_global_default(captured.subscriber()).ok();
         captured
     })
 }
@@ -124,10 +137,7 @@ async fn kafka_text_reaches_log_lines_escaped_and_the_quarantine_as_received() -
     shutdown.cancel();
     run.await??;
 
-    let text = {
-        let buffer = logs.0.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
-        String::from_utf8_lossy(&buffer).into_owned()
-    };
+    let text = logs.text()?;
     // Each record's hostile text is logged, escaped: the `id` header, the payload text serde
     // quotes, the `type` header a handler's error quotes.
     let escaped = outbox_core::escape(HOSTILE).to_string();
@@ -137,10 +147,7 @@ async fn kafka_text_reaches_log_lines_escaped_and_the_quarantine_as_received() -
             "{quoted}{escaped} is not logged:\n{text}"
         );
     }
-    let raw: Vec<&str> = text
-        .lines()
-        .filter(|line| line.contains(|c: char| c.is_control()) || line.starts_with("FORGED"))
-        .collect();
+    let raw = raw_lines(&text);
     assert!(
         raw.is_empty(),
         "log lines with raw control characters or forged by one:\n{}",
@@ -166,5 +173,46 @@ async fn kafka_text_reaches_log_lines_escaped_and_the_quarantine_as_received() -
             .fetch_one(&db.pool)
             .await?;
     assert!(error.contains(&hostile_type), "{error}");
+    Ok(())
+}
+
+/// Lines of the captured log with a raw control character (other than the line end) or
+/// starting with forged text.
+fn raw_lines(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter(|line| line.contains(|c: char| c.is_control()) || line.starts_with("FORGED"))
+        .collect()
+}
+
+/// The relay logs a row's topic, which is whatever was written to the table (not only
+/// through `NewEvent`, which validates it): one Kafka refuses is quarantined and logged,
+/// escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_logs_a_rows_topic_escaped() -> Result<()> {
+    // Its own capture, apart from the other test's global one (installed first all the same,
+    // before `TestDb` would install another): `run_once` logs on this task.
+    captured();
+    let logs = Captured::default();
+    let db = TestDb::new().await?;
+    let topic = format!("{}{HOSTILE}", unique("t"));
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic) \
+         VALUES (gen_random_uuid(), 'a', 'k', 't', '{}', $1)",
+    )
+    .bind(&topic)
+    .execute(&db.pool)
+    .await?;
+    let relay = outbox_producer::Relay::new(
+        db.pool.clone(),
+        &outbox_producer::producer_config(&kafka_bootstrap()),
+        outbox_producer::RelayConfig::default(),
+    )?;
+    let report = relay.run_once().with_subscriber(logs.subscriber()).await?;
+    assert_eq!(report.quarantined, 1, "{report:?}");
+    let text = logs.text()?;
+    let escaped = outbox_core::escape(&topic).to_string();
+    assert!(text.contains(&escaped), "{escaped} is not logged:\n{text}");
+    let raw = raw_lines(&text);
+    assert!(raw.is_empty(), "{}", raw.join("\n"));
     Ok(())
 }

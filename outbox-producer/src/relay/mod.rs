@@ -352,7 +352,7 @@ fn learn(
         match outcome {
             Outcome::Delivered(partition) => {
                 if outages.mark_up(&row.topic, *partition) {
-                    tracing::info!(topic = %row.topic, partition, "partition takes writes again");
+                    tracing::info!(topic = %outbox_core::escape(&row.topic), partition, "partition takes writes again");
                 }
                 if outages
                     .partition_of(row)
@@ -375,7 +375,7 @@ fn learn(
                     .filter(|_| outage)
                 {
                     let wait = outage_wait(&inner.config);
-                    tracing::warn!(topic = %row.topic, partition, probe_in = ?wait, %error, "partition out: its rows wait unsent until a probe is acknowledged");
+                    tracing::warn!(topic = %outbox_core::escape(&row.topic), partition, probe_in = ?wait, %error, "partition out: its rows wait unsent until a probe is acknowledged");
                     outages.mark_out(&row.topic, partition, now + wait);
                 }
             }

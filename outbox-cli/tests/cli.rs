@@ -773,8 +773,9 @@ async fn a_database_password_is_never_shown() -> Result<()> {
     Ok(())
 }
 
-/// Text from a record (an `id` header, payload text an error quotes) and from a broker's
-/// error reaches the terminal escaped: no line forged, no colour changed. The rows keep it.
+/// Text from a record (an `id` header, payload text an error quotes), from a broker's error
+/// and a consumer's name reaches the terminal escaped: no line forged, no colour changed. The
+/// rows keep it.
 #[tokio::test]
 async fn quarantine_listings_escape_what_records_carry() -> Result<()> {
     let db = TestDb::new().await?;
@@ -793,6 +794,14 @@ async fn quarantine_listings_escape_what_records_carry() -> Result<()> {
     .bind(hostile)
     .execute(&db.pool)
     .await?;
+    // A consumer's name is the application's, and `status` shows it.
+    sqlx::query(
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice) \
+         VALUES ('c' || $1, gen_random_uuid(), 0)",
+    )
+    .bind(hostile)
+    .execute(&db.pool)
+    .await?;
     let id: i64 = sqlx::query_scalar("SELECT id FROM outbox_consumer_quarantine")
         .fetch_one(&db.pool)
         .await?;
@@ -800,7 +809,9 @@ async fn quarantine_listings_escape_what_records_carry() -> Result<()> {
         .fetch_one(&db.pool)
         .await?;
     let (id, seq) = (id.to_string(), seq.to_string());
-    let runs: [&[&str]; 6] = [
+    let runs: [&[&str]; 8] = [
+        &["status"],
+        &["status", "--json"],
         &["quarantine", "list", "consumer"],
         &["quarantine", "list", "relay"],
         &["quarantine", "list", "consumer", "--json"],

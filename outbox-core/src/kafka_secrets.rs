@@ -112,6 +112,7 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
+        // Why this module exists; if an rdkafka upgrade stops echoing values, it can go.
         assert!(raw.contains(SECRET), "rdkafka echoes it: {raw}");
         let shown = refused(&config);
         assert!(!shown.contains(SECRET), "{shown}");

@@ -8,7 +8,7 @@
 //! [`create`] or [`create_with_context`], which keep the key and the description and put
 //! [`REDACTED`] in place of the value. librdkafka's own log lines do not need this: its
 //! configuration dump (`debug=conf`) writes its sensitive properties as `[redacted]`, and its
-//! warnings name properties, not values.
+//! configuration warnings show values of plain settings only (timeouts, the SASL mechanism).
 
 use rdkafka::ClientConfig;
 use rdkafka::client::ClientContext;

@@ -9,12 +9,15 @@
 //! outbox quarantine list relay|consumer [--json]
 //! outbox quarantine show|requeue|discard relay|consumer ID... [--reason TEXT] [--yes]
 //! outbox quarantine audit [--json]
-//! outbox relay --brokers 127.0.0.1:9092
+//! outbox relay --kafka-config kafka.properties [--brokers HOST:PORT] [-X key=value]...
 //! ```
-//! The database comes from `--database-url` or `DATABASE_URL`; tables resolve through its
-//! `search_path`.
+//! The database comes from `--database-url-file`, `--database-url` or `DATABASE_URL` (a
+//! password from `PGPASSWORD` or `~/.pgpass` when the URL has none); tables resolve through
+//! its `search_path`. Kafka's client configuration: see `kafka_config`.
 
 mod confirm;
+mod kafka_config;
+mod print;
 mod quarantine;
 mod relay;
 mod status;
@@ -33,9 +36,16 @@ use sqlx::postgres::PgPoolOptions;
     about = "Operate the outbox framework's tables"
 )]
 struct Cli {
-    /// Postgres connection URL.
+    /// Postgres connection URL, like `postgres://relay@db.internal/app?sslmode=verify-full`.
+    /// Leave the password out of it: it comes from PGPASSWORD or ~/.pgpass (PGPASSFILE), or
+    /// pass the whole URL with --database-url-file; an argument is visible in the process
+    /// list.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
+    /// A file holding the Postgres connection URL (its first line); used instead of
+    /// --database-url and DATABASE_URL.
+    #[arg(long, env = "DATABASE_URL_FILE", global = true, value_name = "FILE")]
+    database_url_file: Option<std::path::PathBuf>,
     /// Name of the outbox table.
     #[arg(long, default_value = "outbox_events", global = true)]
     outbox_table: String,
@@ -80,6 +90,12 @@ enum Command {
         action: quarantine::Action,
     },
     /// Run the relay until SIGINT or SIGTERM.
+    ///
+    /// Kafka settings are librdkafka properties, applied in this order (a later one wins):
+    /// the relay's defaults, the --kafka-config file, OUTBOX_KAFKA_<KEY> variables
+    /// (OUTBOX_KAFKA_SASL_PASSWORD is sasl.password), --brokers, each -X. A value
+    /// `file:PATH` is read from PATH. The relay always sets enable.idempotence=true, acks=all
+    /// and partitioner=murmur2_random.
     Relay(relay::RelayArgs),
 }
 
@@ -94,6 +110,23 @@ enum PruneTarget {
     Quarantine,
 }
 
+/// The database URL, from its file or as given. Errors never show it (it may hold a password).
+fn database_url(cli: &Cli) -> Result<String> {
+    if let Some(path) = &cli.database_url_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the database URL from {}", path.display()))?;
+        return text
+            .lines()
+            .next()
+            .map(|line| line.trim().to_owned())
+            .filter(|url| !url.is_empty())
+            .with_context(|| format!("{} holds no database URL", path.display()));
+    }
+    cli.database_url
+        .clone()
+        .context("no database: pass --database-url or --database-url-file, or set DATABASE_URL")
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -103,9 +136,7 @@ async fn main() -> Result<()> {
     let tables = TableNames::default()
         .with_outbox(&cli.outbox_table)?
         .with_consumer_tables(&cli.dedup_table, &cli.quarantine_table)?;
-    let url = cli
-        .database_url
-        .context("no database: pass --database-url or set DATABASE_URL")?;
+    let url = database_url(&cli)?;
     let pool = PgPoolOptions::new()
         .max_connections(if matches!(cli.command, Command::Relay(_)) {
             4

@@ -7,12 +7,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use clap::{Subcommand, ValueEnum};
-use outbox_core::{ActionNote, TableNames, wire};
+use outbox_core::{ActionNote, TableNames, escape, wire};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgConnection;
 
 use crate::confirm::confirm;
+use crate::kafka_config::{KafkaArgs, bootstrap_servers};
+use crate::print;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Side {
@@ -58,13 +60,16 @@ pub(crate) enum Action {
     /// to their topic and partition (they land after what came since), for the consumer that
     /// quarantined them alone (header `outbox-requeue-for`: other dedup consumers skip them;
     /// clients that are not dedup consumers see them as redeliveries), then delete them here.
+    ///
+    /// Consumer requeues take Kafka settings as `outbox relay` does: --kafka-config,
+    /// OUTBOX_KAFKA_<KEY> variables, --brokers, -X, in that order.
     Requeue {
         side: Side,
         #[arg(required = true)]
         ids: Vec<i64>,
-        /// Kafka bootstrap servers, for consumer requeues.
-        #[arg(long, env = "KAFKA_BROKERS")]
-        brokers: Option<String>,
+        /// Consumer requeues: how to reach Kafka.
+        #[command(flatten)]
+        kafka: KafkaArgs,
         /// Consumer requeues: the consumer name to handle the messages, instead of the one
         /// that quarantined them, when it was renamed since (a copy for a name no consumer
         /// has is skipped by all).
@@ -104,13 +109,18 @@ pub(crate) async fn run(
         } => {
             let rows = outbox_producer::quarantine::list_quarantined(conn, tables, limit).await?;
             if json {
-                println!("{}", serde_json::to_string(&rows)?);
+                println!("{}", print::json(&rows, false)?);
             }
             for r in rows.iter().filter(|_| !json) {
                 let error = r.last_error.as_deref().unwrap_or("");
                 println!(
-                    "{}\t{}\t{}\t{}\tattempts={}\t{error}",
-                    r.seq, r.id, r.topic, r.aggregateid, r.attempts
+                    "{}\t{}\t{}\t{}\tattempts={}\t{}",
+                    r.seq,
+                    r.id,
+                    escape(&r.topic),
+                    escape(&r.aggregateid),
+                    r.attempts,
+                    escape(error)
                 );
             }
         }
@@ -121,12 +131,19 @@ pub(crate) async fn run(
         } => {
             let rows = outbox_consumer::quarantine::list_quarantined(conn, tables, limit).await?;
             if json {
-                println!("{}", serde_json::to_string(&rows)?);
+                println!("{}", print::json(&rows, false)?);
             }
+            // The error quotes the record (its id header, the payload text serde choked on).
             for r in rows.iter().filter(|_| !json) {
                 println!(
                     "{}\t{}\t{}[{}]@{}\t{}\t{}",
-                    r.id, r.consumer, r.topic, r.partition, r.offset, r.reason, r.error
+                    r.id,
+                    escape(&r.consumer),
+                    escape(&r.topic),
+                    r.partition,
+                    r.offset,
+                    escape(&r.reason),
+                    escape(&r.error)
                 );
             }
         }
@@ -135,7 +152,7 @@ pub(crate) async fn run(
             ids,
         } => {
             let rows = outbox_producer::quarantine::get_quarantined(conn, tables, &ids).await?;
-            println!("{}", serde_json::to_string_pretty(&rows)?);
+            println!("{}", print::json(&rows, true)?);
         }
         Action::Show {
             side: Side::Consumer,
@@ -149,7 +166,7 @@ pub(crate) async fn run(
                     serde_json::json!({ "entry": r, "key_text": text(&r.message_key), "payload_text": text(&r.payload) })
                 })
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&shown)?);
+            println!("{}", print::json(&shown, true)?);
         }
         Action::Requeue {
             side: Side::Relay,
@@ -169,13 +186,12 @@ pub(crate) async fn run(
         Action::Requeue {
             side: Side::Consumer,
             ids,
-            brokers,
+            kafka,
             to_consumer,
             confirmation,
         } => {
-            let brokers = brokers.context(
-                "consumer requeue publishes to Kafka: pass --brokers or set KAFKA_BROKERS",
-            )?;
+            let kafka = kafka.client_config(outbox_producer::producer_config(""))?;
+            bootstrap_servers(&kafka).context("consumer requeue publishes to Kafka")?;
             ensure!(
                 to_consumer.as_deref() != Some(""),
                 "--to-consumer takes a consumer name"
@@ -194,7 +210,7 @@ pub(crate) async fn run(
                 let what = format!("requeue {}", consumer_rows(&rows, &table));
                 confirm(&what, confirmation.yes)?;
             }
-            let producer: FutureProducer = outbox_producer::producer_config(&brokers).create()?;
+            let producer: FutureProducer = outbox_core::kafka_secrets::create(&kafka)?;
             for r in &rows {
                 // For its consumer alone: every group reads the topic, and the others handled
                 // the original (their dedup rows for it are pruned in time).

@@ -5,17 +5,19 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use outbox_core::TableNames;
+use outbox_core::kafka_secrets;
 use outbox_producer::{AfterPublish, QuarantinePolicy, Relay, RelayConfig, producer_config};
 use rdkafka::ClientConfig;
 use rdkafka::producer::{BaseProducer, Producer};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::kafka_config::{KafkaArgs, bootstrap_servers};
+
 #[derive(Debug, Args)]
 pub(crate) struct RelayArgs {
-    /// Kafka bootstrap servers.
-    #[arg(long, env = "KAFKA_BROKERS")]
-    brokers: String,
+    #[command(flatten)]
+    kafka: KafkaArgs,
     /// Rows per batch.
     #[arg(long, default_value_t = 500)]
     batch_size: u32,
@@ -59,8 +61,11 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
         outbox_producer::serve_metrics(addr)?;
         eprintln!("metrics on http://{addr}/metrics");
     }
-    let kafka = producer_config(&args.brokers);
-    check_brokers(&kafka, &args.brokers, args.connect_timeout).await?;
+    // The relay's defaults, then the user's properties; `Relay::new` enforces what its
+    // guarantees need on top.
+    let kafka = args.kafka.client_config(producer_config(""))?;
+    let brokers = bootstrap_servers(&kafka)?;
+    check_brokers(&kafka, &brokers, args.connect_timeout).await?;
     let relay = Relay::new(pool, &kafka, config)?;
     let shutdown = CancellationToken::new();
     tokio::spawn({
@@ -71,15 +76,16 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
             shutdown.cancel();
         }
     });
-    eprintln!("relaying to {}", args.brokers);
+    eprintln!("relaying to {brokers}");
     relay.run(shutdown).await?;
     Ok(())
 }
 
-/// Fails fast, naming the address, when no broker answers: librdkafka would otherwise retry
-/// quietly and the relay would only log failed batches.
+/// Fails fast, naming the address, when no broker answers (or the TLS handshake or SASL
+/// authentication fails, which librdkafka logs): librdkafka would otherwise retry quietly and
+/// the relay would only log failed batches.
 async fn check_brokers(kafka: &ClientConfig, brokers: &str, timeout: Duration) -> Result<()> {
-    let probe: BaseProducer = kafka.create()?;
+    let probe: BaseProducer = kafka_secrets::create(kafka)?;
     tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, timeout))
         .await?
         .with_context(|| format!("cannot reach the Kafka brokers at {brokers}"))?;

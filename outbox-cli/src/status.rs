@@ -46,7 +46,7 @@ struct ConsumerRows {
 pub(crate) async fn run(conn: &mut PgConnection, tables: &TableNames, json: bool) -> Result<()> {
     let status = read(conn, tables).await?;
     if json {
-        println!("{}", serde_json::to_string(&status)?);
+        println!("{}", crate::print::json(&status, false)?);
     } else {
         print_text(&status);
     }
@@ -134,7 +134,7 @@ fn print_text(s: &Status) {
     for topic in &s.topics {
         println!(
             "  {:<40} {:>8} pending, oldest {}",
-            topic.topic,
+            outbox_core::escape(&topic.topic).to_string(),
             capped(topic.pending),
             age(topic.oldest_pending_age_ms)
         );
@@ -151,7 +151,7 @@ fn print_text(s: &Status) {
     for consumer in &s.dedup.consumers {
         println!(
             "  {:<40} {:>8} rows",
-            consumer.consumer,
+            outbox_core::escape(&consumer.consumer).to_string(),
             capped(consumer.rows)
         );
     }

@@ -12,10 +12,18 @@ fn schema_url(db: &TestDb) -> String {
 }
 
 fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {
+    outbox_with(db, args, &[])
+}
+
+/// [`outbox`] with more environment variables (and no `KAFKA_BROKERS` from the test's).
+fn outbox_with(db: &TestDb, args: &[&str], env: &[(&str, &str)]) -> Result<(bool, String, String)> {
     let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
         .args(args)
         .env("DATABASE_URL", schema_url(db))
         .env("RUST_BACKTRACE", "0")
+        .env_remove("KAFKA_BROKERS")
+        .env_remove("OUTBOX_KAFKA_CONFIG")
+        .envs(env.iter().copied())
         .output()?;
     Ok((
         out.status.success(),
@@ -570,5 +578,283 @@ async fn consumer_requeue_reaches_only_the_consumer_that_quarantined_it() -> Res
     assert_eq!(left, 0, "neither quarantined the copy");
     assert_eq!((a.stats().processed, b.stats().processed), (2, 2));
     assert_eq!((a.stats().not_for_us, b.stats().not_for_us), (0, 1));
+    Ok(())
+}
+
+/// A file of its own holding `text`, removed when dropped.
+struct TempFile(std::path::PathBuf);
+
+impl TempFile {
+    fn new(text: &str) -> Result<Self> {
+        let path = std::env::temp_dir().join(outbox_tests::unique("outbox-cli"));
+        std::fs::write(&path, text)?;
+        Ok(Self(path))
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap_or_default()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A random secret, so that no other text can contain it by chance.
+fn secret() -> String {
+    format!("s3cret-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// The Kafka settings come from the config file, then `OUTBOX_KAFKA_*`, then `--brokers`,
+/// then `-X`, each overriding the one before: the address the relay fails to reach (brokers
+/// that do not exist) says which won.
+#[tokio::test]
+async fn relay_kafka_settings_apply_file_then_environment_then_brokers_then_x() -> Result<()> {
+    let db = TestDb::new().await?;
+    let file = TempFile::new("# the cluster\n\nbootstrap.servers = 127.0.0.1:1\n")?;
+    let address_file = TempFile::new("127.0.0.1:4\n")?;
+    let x = format!("bootstrap.servers=file:{}", address_file.path());
+    let fails_at = |args: &[&str], env: &[(&str, &str)], address: &str| -> Result<()> {
+        let mut all = vec!["relay", "--connect-timeout", "1s"];
+        all.extend(args);
+        let (ok, _, stderr) = outbox_with(&db, &all, env)?;
+        assert!(!ok);
+        assert!(
+            stderr.contains(&format!("cannot reach the Kafka brokers at {address}")),
+            "{args:?} {env:?}: {stderr}"
+        );
+        Ok(())
+    };
+    fails_at(&["-F", file.path()], &[], "127.0.0.1:1")?;
+    let env = [
+        ("OUTBOX_KAFKA_CONFIG", file.path()),
+        ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:2"),
+    ];
+    fails_at(&[], &env, "127.0.0.1:2")?;
+    fails_at(&["--brokers", "127.0.0.1:3"], &env, "127.0.0.1:3")?;
+    fails_at(&["--brokers", "127.0.0.1:3", "-X", &x], &env, "127.0.0.1:4")?;
+
+    let (ok, _, stderr) = outbox(&db, &["relay"])?;
+    assert!(!ok);
+    assert!(
+        stderr.contains("no Kafka brokers: pass --brokers"),
+        "{stderr}"
+    );
+    let bad = TempFile::new("bootstrap.servers=127.0.0.1:1\nhunter2\n")?;
+    let (ok, _, stderr) = outbox(&db, &["relay", "-F", bad.path()])?;
+    assert!(!ok);
+    assert!(
+        stderr.contains("line 2: expected key=value") && !stderr.contains("hunter2"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+/// A secret in the Kafka settings never reaches the terminal: not in librdkafka's refusal of
+/// a misspelt key or of a value, not in the warning about a secret on the command line.
+#[tokio::test]
+async fn kafka_secrets_never_reach_the_cli_output() -> Result<()> {
+    let db = TestDb::new().await?;
+    let brokers = outbox_tests::kafka_bootstrap();
+    let (misspelt, valued, literal, from_file) = (secret(), secret(), secret(), secret());
+    let file = TempFile::new(&format!(
+        "bootstrap.servers={brokers}\nsasl.pasword={misspelt}\n"
+    ))?;
+    let secret_file = TempFile::new(&format!("{from_file}\n"))?;
+    let literal_x = format!("ssl.key.password={literal}");
+    let file_x = format!("sasl.password=file:{}", secret_file.path());
+    let hidden = |stderr: &str, key: &str| {
+        for secret in [&misspelt, &valued, &literal, &from_file] {
+            assert!(
+                !stderr.contains(secret.as_str()),
+                "a secret is shown: {stderr}"
+            );
+        }
+        assert!(stderr.contains(key), "{key} is not named: {stderr}");
+    };
+
+    let (ok, _, stderr) = outbox(
+        &db,
+        &["relay", "-F", file.path(), "-X", &literal_x, "-X", &file_x],
+    )?;
+    assert!(!ok);
+    hidden(&stderr, "sasl.pasword");
+    assert!(
+        stderr.contains("warning: -X ssl.key.password=... puts a secret")
+            && stderr.contains("OUTBOX_KAFKA_SSL_KEY_PASSWORD")
+            && !stderr.contains("-X sasl.password"),
+        "only the literal secret draws the warning: {stderr}"
+    );
+
+    let env = [("OUTBOX_KAFKA_SECURITY_PROTOCOL", valued.as_str())];
+    let (ok, _, stderr) = outbox_with(&db, &["relay", "--brokers", &brokers], &env)?;
+    assert!(!ok);
+    hidden(&stderr, "security.protocol");
+
+    let (ok, _, stderr) = outbox(
+        &db,
+        &["quarantine", "requeue", "consumer", "1", "-F", file.path()],
+    )?;
+    assert!(!ok);
+    hidden(&stderr, "sasl.pasword");
+    Ok(())
+}
+
+/// Settings from a file and the environment reach the relay's producer: it publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_publishes_with_kafka_settings_from_a_file_and_the_environment() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let file = TempFile::new(&format!(
+        "# as in production, with the brokers in the file\nbootstrap.servers={}\nclient.id=outbox-relay\n",
+        outbox_tests::kafka_bootstrap()
+    ))?;
+    let mut relay = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args(["relay", "--poll-interval", "100ms", "-X", "linger.ms=5"])
+            .env("DATABASE_URL", schema_url(&db))
+            .env_remove("KAFKA_BROKERS")
+            .env("OUTBOX_KAFKA_CONFIG", file.path())
+            .env("OUTBOX_KAFKA_MESSAGE_TIMEOUT_MS", "20000")
+            .spawn()?,
+    );
+    let event =
+        outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?.with_topic(&topic)?;
+    let mut tx = db.pool.begin().await?;
+    outbox_producer::enqueue(&mut tx, &event).await?;
+    tx.commit().await?;
+    outbox_tests::eventually(
+        "the relay process publishes",
+        std::time::Duration::from_secs(30),
+        || async { Ok(outbox_tests::count_status(&db.pool, "published").await? == 1) },
+    )
+    .await?;
+    let status = Command::new("kill")
+        .args(["-TERM", &relay.0.id().to_string()])
+        .status()?;
+    assert!(status.success());
+    assert!(relay.0.wait()?.success());
+    Ok(())
+}
+
+/// A password in the database URL is never shown: not in `--help` (which shows other
+/// variables' values), not in an error about the database.
+#[tokio::test]
+async fn a_database_password_is_never_shown() -> Result<()> {
+    let db = TestDb::new().await?;
+    let password = secret();
+    let with_password = format!("postgres://postgres:{password}@127.0.0.1:1/nowhere");
+    for args in [&["--help"][..], &["relay", "--help"], &["status", "--help"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args(args)
+            .env("DATABASE_URL", &with_password)
+            .output()?;
+        let help = String::from_utf8(out.stdout)?;
+        assert!(
+            out.status.success() && help.contains("DATABASE_URL"),
+            "{help}"
+        );
+        assert!(!help.contains(&password), "{help}");
+    }
+    let bad_port = format!("postgres://postgres:{password}@127.0.0.1:notaport/x");
+    for url in [&with_password, &bad_port] {
+        let (ok, stdout, stderr) = outbox(&db, &["status", "--database-url", url])?;
+        assert!(!ok);
+        assert!(
+            !stderr.contains(&password) && !stdout.contains(&password),
+            "{stderr}"
+        );
+        assert!(!stderr.is_empty());
+    }
+
+    // From a file, which wins over DATABASE_URL.
+    let file = TempFile::new(&format!("{}\n", schema_url(&db)))?;
+    let (ok, stdout, stderr) = outbox_with(
+        &db,
+        &["status", "--json", "--database-url-file", file.path()],
+        &[("DATABASE_URL", &with_password)],
+    )?;
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("\"pending\":0"), "{stdout}");
+    let (ok, _, stderr) = outbox(&db, &["status", "--database-url-file", "/nonexistent/url"])?;
+    assert!(!ok && stderr.contains("/nonexistent/url"), "{stderr}");
+    Ok(())
+}
+
+/// Text from a record (an `id` header, payload text an error quotes), from a broker's error
+/// and a consumer's name reaches the terminal escaped: no line forged, no colour changed. The
+/// rows keep it.
+#[tokio::test]
+async fn quarantine_listings_escape_what_records_carry() -> Result<()> {
+    let db = TestDb::new().await?;
+    let hostile = "\r\nFORGED line\x1b[31m red\u{9b}2J\u{202e}";
+    sqlx::query(
+        "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
+         VALUES ('billing', 't', 0, 7, 'k'::bytea, convert_to($1, 'UTF8'), jsonb_build_object('id', $1), 'invalid_id', 'not a uuid: ' || $1)",
+    )
+    .bind(hostile)
+    .execute(&db.pool)
+    .await?;
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic, status, attempts, last_error) \
+         VALUES (gen_random_uuid(), 'a', $1, 't', '{}', 'topic', 'quarantined', 3, 'broker said ' || $1)",
+    )
+    .bind(hostile)
+    .execute(&db.pool)
+    .await?;
+    // A consumer's name is the application's, and `status` shows it.
+    sqlx::query(
+        "INSERT INTO outbox_consumer_dedup (consumer, event_id, slice) \
+         VALUES ('c' || $1, gen_random_uuid(), 0)",
+    )
+    .bind(hostile)
+    .execute(&db.pool)
+    .await?;
+    let id: i64 = sqlx::query_scalar("SELECT id FROM outbox_consumer_quarantine")
+        .fetch_one(&db.pool)
+        .await?;
+    let seq: i64 = sqlx::query_scalar("SELECT seq FROM outbox_events")
+        .fetch_one(&db.pool)
+        .await?;
+    let (id, seq) = (id.to_string(), seq.to_string());
+    let runs: [&[&str]; 8] = [
+        &["status"],
+        &["status", "--json"],
+        &["quarantine", "list", "consumer"],
+        &["quarantine", "list", "relay"],
+        &["quarantine", "list", "consumer", "--json"],
+        &["quarantine", "list", "relay", "--json"],
+        &["quarantine", "show", "consumer", &id],
+        &["quarantine", "show", "relay", &seq],
+    ];
+    for args in runs {
+        let (ok, stdout, stderr) = outbox(&db, args)?;
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains("FORGED"), "{args:?}: {stdout}");
+        let raw: Vec<&str> = stdout
+            .lines()
+            .filter(|line| {
+                // Tabs separate the columns.
+                line.contains(|c: char| (c.is_control() && c != '\t') || c == '\u{202e}')
+                    || line.starts_with("FORGED")
+            })
+            .collect();
+        assert!(raw.is_empty(), "{args:?}: {raw:?}");
+        if args.contains(&"--json") || args.contains(&"show") {
+            // Escaped for the terminal, the same values for a program.
+            let value: serde_json::Value = serde_json::from_str(&stdout)?;
+            let text = serde_json::to_string(&value)?;
+            let quoted = serde_json::to_string(hostile)?;
+            assert!(text.contains(quoted.trim_matches('"')), "{text}");
+        }
+    }
+    let stored: (Vec<u8>, String) =
+        sqlx::query_as("SELECT payload, error FROM outbox_consumer_quarantine")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(stored.0, hostile.as_bytes());
+    assert_eq!(stored.1, format!("not a uuid: {hostile}"));
     Ok(())
 }

@@ -211,7 +211,9 @@ impl<C: ClientContext> ConsumerContext for DedupContext<C> {
 
 /// Creates the `StreamConsumer` [`DedupConsumer::run`](crate::DedupConsumer::run) takes, from
 /// `kafka` with the settings the consumer's guarantees rest on enforced (see
-/// [`consumer_config`](crate::consumer_config)). Subscribe or assign it before running.
+/// [`consumer_config`](crate::consumer_config)). Subscribe or assign it before running. An
+/// error names the key librdkafka refused, never its value (see
+/// [`outbox_core::kafka_secrets`]).
 ///
 /// ```no_run
 /// # async fn doc(pool: sqlx::PgPool) -> Result<(), outbox_consumer::ConsumerError> {
@@ -243,5 +245,8 @@ pub fn stream_consumer_with_context<C: ClientContext + 'static>(
 ) -> Result<StreamConsumer<DedupContext<C>>, ConsumerError> {
     let mut kafka = kafka.clone();
     crate::runner::enforce_required(&mut kafka);
-    Ok(kafka.create_with_context(DedupContext::new(context))?)
+    Ok(outbox_core::kafka_secrets::create_with_context(
+        &kafka,
+        DedupContext::new(context),
+    )?)
 }

@@ -76,7 +76,9 @@ impl BatchFailure {
         if is_unavailable(&error) {
             Self::Unavailable(error)
         } else {
-            tracing::warn!(%error, "batch rejected by the database; replaying its messages one at a time");
+            // A statement's error can quote what a handler wrote (record text).
+            tracing::warn!(error = %outbox_core::escape(&error.to_string()),
+                "batch rejected by the database; replaying its messages one at a time");
             Self::Rejected
         }
     }
@@ -331,7 +333,7 @@ where
                 // Which handler left it so is unknown: each message is replayed alone, and
                 // that one's check fails there.
                 Err(AttemptError::Failed { error, .. }) => {
-                    tracing::warn!(consumer = %inner.name, %error,
+                    tracing::warn!(consumer = %inner.name, error = %outbox_core::escape(&error),
                         "a handler left the batch's transaction unable to commit; replaying its messages one at a time");
                     Err(BatchFailure::Rejected)
                 }
@@ -522,7 +524,7 @@ where
                     bump(&inner.counters.quarantined);
                     tracing::error!(consumer = %inner.name, topic = message.topic(),
                         partition = message.partition(), offset = message.offset(),
-                        reason = rejected.reason, error = %rejected.error.escape_default(), "quarantined message");
+                        reason = rejected.reason, error = %outbox_core::escape(&rejected.error), "quarantined message");
                 }
                 (Item::Cached | Item::NotForUs, _) => {}
             }

@@ -379,7 +379,7 @@ where
         let reason = quarantine::store(&mut conn, &inner.sql.quarantine, message, entry).await?;
         bump(&inner.counters.quarantined);
         tracing::error!(consumer = %inner.name, topic = message.topic(), partition = message.partition(),
-            offset = message.offset(), reason, error = %error.escape_default(), "quarantined message");
+            offset = message.offset(), reason, error = %outbox_core::escape(error), "quarantined message");
         Ok(Outcome::Quarantined(reason))
     }
 }

@@ -92,8 +92,9 @@ where
         bump(&inner.counters.handler_errors);
         metrics::counter!("outbox_consumer_handler_errors_total", "consumer" => inner.name.clone())
             .increment(1);
-        tracing::warn!(consumer = %inner.name, event_id = %event.id, attempt, reason, %error,
-            "attempt failed");
+        // Handlers' errors quote their input (a header, payload text) as often as not.
+        tracing::warn!(consumer = %inner.name, event_id = %event.id, attempt, reason,
+            error = %outbox_core::escape(error), "attempt failed");
     }
 
     /// One transaction: the dedup row, the handler, COMMIT. Never raced against shutdown: an

@@ -34,7 +34,7 @@ pub(crate) fn for_another(consumer: &str, message: &OwnedMessage, read: &[Read<'
         topic = message.topic(),
         partition = message.partition(),
         offset = message.offset(),
-        for_consumers = %targets.iter().map(|t| t.escape_default().to_string()).collect::<Vec<_>>().join(", "),
+        for_consumers = %targets.iter().map(|t| outbox_core::escape(t).to_string()).collect::<Vec<_>>().join(", "),
         "requeued copy for another consumer; skipped"
     );
     true

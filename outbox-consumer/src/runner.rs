@@ -263,7 +263,7 @@ where
                     Err(error) => {
                         // The database is unavailable: retry these messages, never skip them
                         // (what committed meanwhile is found deduplicated).
-                        tracing::warn!(%error, topic, partition, offset = last.offset(),
+                        tracing::warn!(error = %outbox_core::escape(&error.to_string()), topic, partition, offset = last.offset(),
                             messages = messages.len(), "cannot handle messages; retrying");
                         let delay =
                             outbox_core::backoff(config.backoff_base, config.backoff_max, failures);

@@ -75,7 +75,7 @@ pub fn check_connection_with_context<C: ClientContext + 'static>(
         })
         .map_err(|error| CoreError::KafkaCheck {
             failure: KafkaCheckFailure::Config,
-            reason: crate::redact::kafka_error(&error, config),
+            reason: crate::kafka_secrets::redact_error(error, config).to_string(),
         })?;
     let started = Instant::now();
     match probe.fetch_metadata(None, timeout) {

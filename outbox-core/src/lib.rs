@@ -17,8 +17,10 @@
 
 mod envelope;
 mod error;
+mod escape;
 mod ident;
 mod kafka_check;
+pub mod kafka_secrets;
 mod last_client_error;
 #[cfg(feature = "prometheus")]
 mod metrics_endpoint;
@@ -27,13 +29,13 @@ mod partition;
 mod prune;
 mod quarantine_audit;
 mod quarantine_table;
-pub mod redact;
 mod retry;
 pub mod trace;
 pub mod wire;
 
 pub use envelope::{Envelope, EventId, NewEvent};
 pub use error::CoreError;
+pub use escape::{Escaped, EscapedBytes, escape, escape_bytes};
 pub use ident::{Ident, TableNames};
 pub use kafka_check::{KafkaCheckFailure, check_connection, check_connection_with_context};
 pub use last_client_error::LastClientError;

@@ -14,9 +14,6 @@ pub enum ProducerError {
     /// The Kafka client could not be created or used.
     #[error("kafka: {0}")]
     Kafka(#[from] KafkaError),
-    /// The Kafka client could not be created from its configuration (values redacted).
-    #[error("the Kafka producer could not be created: {0}")]
-    KafkaConfig(String),
     /// The producer hit a fatal error (for an idempotent producer: its sequence or epoch was
     /// lost, so it can no longer guarantee order or no duplicates). Nothing was recorded for
     /// the batch: its rows stay pending with their attempt counts. Build a new relay.

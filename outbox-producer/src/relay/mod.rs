@@ -166,7 +166,8 @@ impl<C: ClientContext + 'static> std::fmt::Debug for Relay<C> {
 impl Relay {
     /// A relay with a producer built from `kafka`, with `enable.idempotence=true`,
     /// `acks=all` and `partitioner=murmur2_random` (Java's, which Debezium uses) enforced
-    /// (see [`producer_config`] for a starting point).
+    /// (see [`producer_config`] for a starting point). An error building the producer names the
+    /// key it refused, never its value (see [`outbox_core::kafka_secrets`]).
     pub fn new(
         pool: PgPool,
         kafka: &ClientConfig,
@@ -188,11 +189,10 @@ impl<C: ClientContext + 'static> Relay<C> {
         kafka::enforce_required(&mut kafka);
         config.validate()?;
         let client_error = LastError::default();
-        let producer = kafka
-            .create_with_context(RelayContext::new(context, client_error.clone()))
-            .map_err(|error| {
-                ProducerError::KafkaConfig(outbox_core::redact::kafka_error(&error, &kafka))
-            })?;
+        let producer = outbox_core::kafka_secrets::create_with_context(
+            &kafka,
+            RelayContext::new(context, client_error.clone()),
+        )?;
         let needed = 1 + u32::from(config.listen);
         let max = pool.options().get_max_connections();
         if max < needed {
@@ -379,7 +379,7 @@ fn learn<C: ClientContext + 'static>(
         match outcome {
             Outcome::Delivered(partition) => {
                 if outages.mark_up(&row.topic, *partition) {
-                    tracing::info!(topic = %row.topic, partition, "partition takes writes again");
+                    tracing::info!(topic = %outbox_core::escape(&row.topic), partition, "partition takes writes again");
                 }
                 if outages
                     .partition_of(row)
@@ -402,7 +402,7 @@ fn learn<C: ClientContext + 'static>(
                     .filter(|_| outage)
                 {
                     let wait = outage_wait(&inner.config);
-                    tracing::warn!(topic = %row.topic, partition, probe_in = ?wait, %error, "partition out: its rows wait unsent until a probe is acknowledged");
+                    tracing::warn!(topic = %outbox_core::escape(&row.topic), partition, probe_in = ?wait, %error, "partition out: its rows wait unsent until a probe is acknowledged");
                     outages.mark_out(&row.topic, partition, now + wait);
                 }
             }

@@ -91,9 +91,9 @@ pub(crate) async fn record(
             let delay = outage_wait(config);
             if unsent {
                 // The partition's outage was logged when it was found.
-                tracing::debug!(event_id = %row.id, topic = %row.topic, retry_in = ?delay, %error, "partition out; row waits unsent, not charged");
+                tracing::debug!(event_id = %row.id, topic = %outbox_core::escape(&row.topic), retry_in = ?delay, %error, "partition out; row waits unsent, not charged");
             } else {
-                tracing::warn!(event_id = %row.id, topic = %row.topic, retry_in = ?delay, %error, "partition cannot take writes; row waits, not charged");
+                tracing::warn!(event_id = %row.id, topic = %outbox_core::escape(&row.topic), retry_in = ?delay, %error, "partition cannot take writes; row waits, not charged");
             }
             seqs.push(row.seq);
             statuses.push("pending");
@@ -107,13 +107,13 @@ pub(crate) async fn record(
         let reason = format!("{kind:?} after attempt {attempts}: {error}");
         if quarantine {
             report.quarantined += 1;
-            tracing::error!(event_id = %row.id, topic = %row.topic, attempts, %error, "quarantined outbox row");
+            tracing::error!(event_id = %row.id, topic = %outbox_core::escape(&row.topic), attempts, %error, "quarantined outbox row");
             statuses.push("quarantined");
             delays.push(0.0);
         } else {
             report.retried += 1;
             let delay = backoff(config, attempts - 1);
-            tracing::warn!(event_id = %row.id, topic = %row.topic, attempts, retry_in = ?delay, %error, "publish failed; will retry");
+            tracing::warn!(event_id = %row.id, topic = %outbox_core::escape(&row.topic), attempts, retry_in = ?delay, %error, "publish failed; will retry");
             statuses.push("pending");
             delays.push(delay.as_secs_f64() * 1000.0);
         }

@@ -199,6 +199,8 @@ pub(crate) async fn run(
             // Checked before anything is published: copies of a user table's rows must not
             // reach a topic either.
             let table = shown(&outbox_consumer::quarantine::verify(conn, tables).await?);
+            // A refused Kafka setting is told before any row is looked up.
+            let producer: FutureProducer = outbox_core::kafka_secrets::create(&kafka)?;
             let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
             ensure!(
                 rows.len() == ids.len(),
@@ -210,7 +212,6 @@ pub(crate) async fn run(
                 let what = format!("requeue {}", consumer_rows(&rows, &table));
                 confirm(&what, confirmation.yes)?;
             }
-            let producer: FutureProducer = outbox_core::kafka_secrets::create(&kafka)?;
             for r in &rows {
                 // For its consumer alone: every group reads the topic, and the others handled
                 // the original (their dedup rows for it are pruned in time).

@@ -8,11 +8,9 @@ use outbox_tests::{TestDb, database_url};
 
 /// The test database's URL with the test's schema as `search_path`.
 fn schema_url(db: &TestDb) -> String {
-    format!(
-        "{}?options=-c%20search_path%3D{}",
-        database_url(),
-        db.schema
-    )
+    let url = database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}options=-c%20search_path%3D{}", db.schema)
 }
 
 fn outbox(db: &TestDb, args: &[&str]) -> Result<(bool, String, String)> {

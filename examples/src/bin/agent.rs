@@ -29,13 +29,9 @@ struct Args {
 
 #[derive(Debug, clap::Args)]
 struct Services {
-    /// The PostgreSQL database.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        global = true
-    )]
+    /// The PostgreSQL database (scripts/demo sets `DATABASE_URL` to its own cluster's; a URL
+    /// with a password belongs in the environment, not in the process list).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: String,
     /// Kafka bootstrap servers.
     #[arg(

@@ -138,8 +138,8 @@ pub fn database_parts() -> Result<DatabaseParts> {
     })
 }
 
-/// Percent-encodes all but unreserved characters and `/`.
-fn url_escape(s: &str) -> String {
+/// Percent-encodes all but unreserved characters and `/` (a path in a URL's query).
+pub fn url_escape(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => {

@@ -194,6 +194,9 @@ SET log_statement = 'none';
 ALTER ROLE "$OUTBOX_PG_USER" PASSWORD '$(cat "$PG_PASSWORD_FILE")';
 SQL
   pg_export_url
+  if [ "$PG_DEFAULT_URL" = no ]; then
+    pg_log "OUTBOX_TEST_DATABASE_URL was set by the caller: the tests use that server, the scripts (test database, slots) this cluster"
+  fi
   local db
   db="$(test_database_name)"
   if ! pg psql -X -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1; then

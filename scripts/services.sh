@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Starts what the tests and the demo need on this machine: PostgreSQL (Debian's package) and
-# Apache Kafka in KRaft mode, plus Kafka Connect with Debezium's Postgres connector for the
-# tests that need it. Installs what is missing: PostgreSQL with apt, the Kafka and Debezium
-# jars from Maven Central through the poms in services/ (resolved once into ~/.m2).
+# Starts what the tests and the demo need on this machine: a PostgreSQL cluster of this
+# checkout's own (scripts/postgres.sh: Debian's binaries, its data in .services/postgres, port
+# 54329, TLS and passwords; no other cluster is touched) and Apache Kafka in KRaft mode, plus
+# Kafka Connect with Debezium's Postgres connector for the tests that need it. Installs what
+# is missing: PostgreSQL with apt, the Kafka and Debezium jars from Maven Central through the
+# poms in services/ (resolved once into ~/.m2, checksums enforced).
 # Sourced by scripts/test, scripts/demo, scripts/bench and scripts/chaos; safe to run again
 # (it skips what is already up).
 set -euo pipefail
@@ -11,7 +13,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SERVICES_DIR="$ROOT/.services"
 KAFKA_PORT="${KAFKA_PORT:-9092}"
 CONNECT_PORT="${CONNECT_PORT:-8083}"
-export OUTBOX_TEST_DATABASE_URL="${OUTBOX_TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/outbox_test}"
 export OUTBOX_TEST_KAFKA="${OUTBOX_TEST_KAFKA:-127.0.0.1:$KAFKA_PORT}"
 export OUTBOX_TEST_CONNECT="${OUTBOX_TEST_CONNECT:-http://127.0.0.1:$CONNECT_PORT}"
 export OUTBOX_KAFKA_CLASSPATH_FILE="$SERVICES_DIR/kafka.classpath"
@@ -24,6 +25,9 @@ export OUTBOX_TEST_KAFKA_SCRAM_USER="${OUTBOX_TEST_KAFKA_SCRAM_USER:-outbox}"
 export OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE="${OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE:-$SERVICES_DIR/kafka/scram.password}"
 export PATH="$HOME/.cargo/bin:$PATH"
 mkdir -p "$SERVICES_DIR"
+# PostgreSQL: the checkout's own cluster (ensure_postgres, pg, test_database_name); it sets
+# OUTBOX_TEST_DATABASE_URL unless the caller did.
+source "$ROOT/scripts/postgres.sh"
 
 log() { printf '[services] %s\n' "$*" >&2; }
 
@@ -54,77 +58,6 @@ wait_for() {
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# The newest installed cluster version (Debian's layout: /etc/postgresql/<version>/main).
-pg_version() { ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1; }
-
-# Trust on loopback (tests and the demo connect as postgres without a password; Debian's
-# default pg_hba.conf asks for one on 127.0.0.1) and logical WAL for Debezium. Returns 0 when
-# it changed a file, so the caller knows a restart is due.
-configure_postgres() {
-  local conf="/etc/postgresql/$1/main" changed=1
-  local settings="$conf/conf.d/outbox.conf"
-  local wanted
-  wanted="$(cat <<'CONF'
-# Written by outbox's scripts/services.sh: settings for tests, the demo and Debezium.
-listen_addresses = '127.0.0.1'
-wal_level = logical
-max_replication_slots = 32
-max_wal_senders = 32
-max_connections = 300
-CONF
-)"
-  if [ "$(cat "$settings" 2>/dev/null)" != "$wanted" ]; then
-    mkdir -p "$conf/conf.d"
-    printf '%s\n' "$wanted" >"$settings"
-    changed=0
-  fi
-  # pg_hba.conf is first match wins: the trust lines go on top, once.
-  if ! grep -q '^# outbox: trust on loopback' "$conf/pg_hba.conf"; then
-    local hba
-    hba="$(mktemp)"
-    {
-      echo '# outbox: trust on loopback (tests and demo only; never on a shared machine)'
-      echo 'host    all             all             127.0.0.1/32            trust'
-      echo 'host    all             all             ::1/128                 trust'
-      echo 'host    replication     all             127.0.0.1/32            trust'
-      echo 'host    replication     all             ::1/128                 trust'
-      cat "$conf/pg_hba.conf"
-    } >"$hba"
-    cat "$hba" >"$conf/pg_hba.conf"
-    rm -f "$hba"
-    changed=0
-  fi
-  return "$changed"
-}
-
-ensure_postgres() {
-  if [ -z "$(pg_version)" ] || ! command -v pg_ctlcluster >/dev/null 2>&1; then
-    log "installing PostgreSQL from Debian's packages"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
-  fi
-  local version
-  version="$(pg_version)"
-  if configure_postgres "$version" && pg_isready -q -h 127.0.0.1 -p 5432; then
-    log "restarting PostgreSQL $version to apply its settings"
-    pg_ctlcluster --skip-systemctl-redirect "$version" main restart
-  fi
-  if ! pg_isready -q -h 127.0.0.1 -p 5432; then
-    log "starting PostgreSQL $version"
-    pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
-  fi
-  wait_for "PostgreSQL" 60 pg_isready -q -h 127.0.0.1 -p 5432
-  local wal
-  wal="$(psql -h 127.0.0.1 -U postgres -tAc 'SHOW wal_level')"
-  if [ "$wal" != logical ]; then
-    log "PostgreSQL runs with wal_level=$wal; expected logical"
-    return 1
-  fi
-  local db="${OUTBOX_TEST_DATABASE_URL##*/}"
-  if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1; then
-    psql -h 127.0.0.1 -U postgres -qc "CREATE DATABASE \"$db\""
-  fi
-}
-
 # resolve_jars NAME: resolves services/NAME/pom.xml and writes the jars' classpath to
 # .services/NAME.classpath. A classpath newer than its pom whose jars all exist is reused, so
 # a second run resolves nothing and needs no network.
@@ -136,7 +69,7 @@ resolve_jars() {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jdk-headless maven >/dev/null
   fi
   log "resolving the $name jars from Maven Central ($pom)"
-  mvn -B -q -Dstyle.color=never -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out.tmp"
+  mvn -B -q --strict-checksums -Dstyle.color=never -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out.tmp"
   mv "$out.tmp" "$out"
 }
 
@@ -276,7 +209,7 @@ remove_test_connectors() {
 }
 
 slots_idle() {
-  [ "$(psql -h 127.0.0.1 -U postgres -qAtc "SELECT count(*) FROM pg_replication_slots WHERE database = '${OUTBOX_TEST_DATABASE_URL##*/}' AND active")" = 0 ]
+  [ "$(pg psql -X -d postgres -qAtc "SELECT count(*) FROM pg_replication_slots WHERE database = '$(test_database_name)' AND active")" = 0 ]
 }
 
 debezium_version() { grep -o '<debezium.version>[^<]*' "$ROOT/services/connect/pom.xml" | cut -d'>' -f2; }

@@ -21,7 +21,7 @@ async fn scenario(expect: Expect) -> Result<()> {
     let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_agent"))
         .args(["--crash-at", expect.crash_at])
         .args(["--schema", &schema])
-        .args(["--database-url", &database_url()])
+        .env("DATABASE_URL", database_url())
         .args(["--brokers", &kafka_bootstrap()])
         .status()
         .await?;

@@ -203,7 +203,8 @@ impl Fleet {
             }
         };
         cmd.args(&role_args)
-            .arg(format!("--database-url={}", l.database_url))
+            // The URL may carry a password: the environment, not the process list.
+            .env("DATABASE_URL", &l.database_url)
             .arg(format!("--database={}", l.database))
             .arg(format!("--brokers={}", l.brokers))
             .arg(format!("--topic={}", l.topic))

@@ -42,13 +42,10 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     runs: Option<u64>,
     /// Postgres server; each run creates (and after passing, drops) its own database on it.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        hide_env_values = true
-    )]
-    database_url: String,
+    /// Default: the test suite's server (`OUTBOX_TEST_DATABASE_URL`, else the scripts' own
+    /// cluster), its `postgres` database.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
     /// Outbox table name; must be a valid identifier (checked through `TableNames`).
     #[arg(long, default_value = "outbox_events")]
     outbox_table: String,
@@ -100,6 +97,14 @@ async fn interrupted() {
     }
 }
 
+/// `--database-url`, else the test suite's server with its `postgres` database.
+fn server_url(args: &RunArgs) -> Result<String> {
+    match &args.database_url {
+        Some(url) => Ok(url.clone()),
+        None => outbox_tests::database_url_for("postgres"),
+    }
+}
+
 /// `first`: the first run of several (the long-fault phase runs in it only).
 async fn run_one(
     args: &RunArgs,
@@ -119,9 +124,10 @@ async fn run_one(
         Some(_) => Some(LocalPg::start_new(&dir).await?),
         None => None,
     };
-    let database_url = own_pg
-        .as_ref()
-        .map_or_else(|| args.database_url.clone(), LocalPg::url);
+    let database_url = match &own_pg {
+        Some(pg) => pg.url(),
+        None => server_url(args)?,
+    };
     let keys: Vec<String> = (0..profile.keys).map(key_name).collect();
     let db = ChaosDb::create(&database_url, tables, &keys).await?;
     let mut broker = Cluster::start(&dir, profile.brokers).await?;

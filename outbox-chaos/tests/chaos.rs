@@ -26,12 +26,7 @@ static ONE_RUN_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// The Postgres server the suite uses, pointed at its `postgres` maintenance database: the
 /// harness creates (and drops) a database of its own there.
 fn server_url() -> String {
-    let url = std::env::var("OUTBOX_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_test".into());
-    match url.rsplit_once('/') {
-        Some((server, _database)) => format!("{server}/postgres"),
-        None => url,
-    }
+    outbox_tests::database_url_for("postgres").unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// The `key=value` fields of the harness's `chaos:` summary line.
@@ -65,8 +60,8 @@ fn run_profile(profile: &str) -> BTreeMap<String, String> {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let output = Command::new(env!("CARGO_BIN_EXE_outbox-chaos"))
         .args(["run", "--profile", profile, "--seed", "1"])
-        .arg(format!("--database-url={}", server_url()))
-        .env_remove("DATABASE_URL")
+        // The URL carries a password: the environment, not the process list.
+        .env("DATABASE_URL", server_url())
         .output()
         .expect("the harness starts");
     let stdout = String::from_utf8_lossy(&output.stdout);

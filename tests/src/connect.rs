@@ -19,7 +19,7 @@ use serde_json::{Map, Value, json};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection};
 
-use crate::{TestDb, create_topic, database_url, unique};
+use crate::{TestDb, create_topic, database_parts, database_url, unique};
 
 /// Kafka Connect's REST address (`OUTBOX_TEST_CONNECT`).
 pub fn connect_url() -> String {
@@ -114,19 +114,28 @@ pub fn outbox_connector_config(
     publication: &str,
     mode: PayloadMode,
 ) -> Vec<(String, String)> {
-    let db = database_name();
+    // The connector reaches the test database as the tests do: same host (TLS verifies it),
+    // user and password, `sslmode` and root certificate (pgjdbc takes libpq's names).
+    let db =
+        database_parts().unwrap_or_else(|e| panic!("the connector's database settings: {e:#}"));
+    let port = db.port.to_string();
+    let tls = [
+        ("database.sslmode", db.sslmode.as_deref()),
+        ("database.sslrootcert", db.sslrootcert.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| Some((k, v?)));
     [
         (
             "connector.class",
             "io.debezium.connector.postgresql.PostgresConnector",
         ),
         ("tasks.max", "1"),
-        ("database.hostname", "127.0.0.1"),
-        ("database.port", "5432"),
-        ("database.user", "postgres"),
-        // Trust auth on loopback; the property is given anyway.
-        ("database.password", "unused"),
-        ("database.dbname", db.as_str()),
+        ("database.hostname", db.host.as_str()),
+        ("database.port", port.as_str()),
+        ("database.user", db.user.as_str()),
+        ("database.password", db.password.as_str()),
+        ("database.dbname", db.database.as_str()),
         ("topic.prefix", name),
         ("plugin.name", "pgoutput"),
         ("slot.name", slot),
@@ -163,6 +172,7 @@ pub fn outbox_connector_config(
         ),
     ]
     .into_iter()
+    .chain(tls)
     .chain(match mode {
         PayloadMode::Text => vec![
             (
@@ -184,8 +194,8 @@ pub fn outbox_connector_config(
     .collect()
 }
 
-/// A running Debezium outbox connector of one test, with its slot and publication.
-#[derive(Debug)]
+/// A running Debezium outbox connector of one test, with its slot and publication. `Debug`
+/// leaves the database password out of the configuration.
 pub struct OutboxConnector {
     /// Connector name (also its `topic.prefix`).
     pub name: String,
@@ -196,6 +206,26 @@ pub struct OutboxConnector {
     /// The configuration it was created with.
     pub config: Vec<(String, String)>,
     cleaned: bool,
+}
+
+impl std::fmt::Debug for OutboxConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let config: Vec<(&str, &str)> = self
+            .config
+            .iter()
+            .map(|(k, v)| match k.as_str() {
+                "database.password" => (k.as_str(), "<redacted>"),
+                _ => (k.as_str(), v.as_str()),
+            })
+            .collect();
+        f.debug_struct("OutboxConnector")
+            .field("name", &self.name)
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("config", &config)
+            .field("cleaned", &self.cleaned)
+            .finish()
+    }
 }
 
 /// How long the connector's task and slot get to come up, and to go away.

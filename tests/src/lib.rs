@@ -3,6 +3,7 @@
 //! `OUTBOX_TEST_DATABASE_URL` and `OUTBOX_TEST_KAFKA`.
 
 use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -27,9 +28,128 @@ pub use raw_record::{ByteHeader, produce_bytes};
 pub use secure_kafka::{SecureKafka, unsecured_token};
 
 /// The Postgres database the tests use; each test gets its own schema in it.
+/// `OUTBOX_TEST_DATABASE_URL`, else the scripts' own cluster ([`scripts_cluster_url`]);
+/// panics with [`try_database_url`]'s error.
 pub fn database_url() -> String {
-    std::env::var("OUTBOX_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_test".into())
+    try_database_url().unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// `OUTBOX_TEST_DATABASE_URL`, else the scripts' own cluster ([`scripts_cluster_url`]).
+pub fn try_database_url() -> Result<String> {
+    match std::env::var("OUTBOX_TEST_DATABASE_URL") {
+        Ok(url) => Ok(url),
+        Err(_) => scripts_cluster_url(),
+    }
+}
+
+/// [`try_database_url`] with `database` in place of its database (the same server, user,
+/// password and TLS settings).
+pub fn database_url_for(database: &str) -> Result<String> {
+    let mut url = url::Url::parse(&try_database_url()?)
+        .map_err(|e| anyhow::anyhow!("OUTBOX_TEST_DATABASE_URL is not a URL: {e}"))?;
+    url.set_path(database);
+    Ok(url.into())
+}
+
+/// The URL `scripts/postgres.sh` exports for its cluster: user `OUTBOX_PG_USER` (default
+/// `outbox`) with the password it generated into `.services/postgres/password`, `localhost`
+/// port `OUTBOX_PG_PORT` (default 54329), TLS verified against the scripts' authority
+/// (`sslmode=verify-full`). Fails, naming the file, when the cluster was never made.
+pub fn scripts_cluster_url() -> Result<String> {
+    let services = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.services");
+    let password_file = services.join("postgres/password");
+    let password = std::fs::read_to_string(&password_file).with_context(|| {
+        format!(
+            "OUTBOX_TEST_DATABASE_URL is not set and {} cannot be read: start the scripts' \
+             PostgreSQL with scripts/test, or `source scripts/services.sh && ensure_postgres`",
+            password_file.display()
+        )
+    })?;
+    let ca = services.join("tls/ca.pem");
+    let ca = ca.canonicalize().unwrap_or(ca);
+    let user = std::env::var("OUTBOX_PG_USER").unwrap_or_else(|_| "outbox".into());
+    let port = std::env::var("OUTBOX_PG_PORT").unwrap_or_else(|_| "54329".into());
+    Ok(format!(
+        "postgres://{}:{}@localhost:{port}/outbox_test?sslmode=verify-full&sslrootcert={}",
+        url_escape(&user),
+        url_escape(password.trim()),
+        url_escape(&ca.to_string_lossy()),
+    ))
+}
+
+/// The parts of [`database_url`] a client other than sqlx needs (Debezium's connector).
+/// `Debug` leaves the password out.
+#[derive(Clone)]
+pub struct DatabaseParts {
+    /// Host name as the URL gives it (`localhost`: TLS verifies it against the certificate).
+    pub host: String,
+    /// Port (5432 when the URL has none).
+    pub port: u16,
+    /// User name.
+    pub user: String,
+    /// Password (empty when the URL has none).
+    pub password: String,
+    /// Database name.
+    pub database: String,
+    /// `sslmode`, when the URL sets it.
+    pub sslmode: Option<String>,
+    /// `sslrootcert`, when the URL sets it.
+    pub sslrootcert: Option<String>,
+}
+
+impl std::fmt::Debug for DatabaseParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatabaseParts")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("password", &"<redacted>")
+            .field("database", &self.database)
+            .field("sslmode", &self.sslmode)
+            .field("sslrootcert", &self.sslrootcert)
+            .finish()
+    }
+}
+
+/// [`database_url`] taken apart. Errors name the part that is wrong, never the URL.
+pub fn database_parts() -> Result<DatabaseParts> {
+    let url = url::Url::parse(&try_database_url()?)
+        .map_err(|e| anyhow::anyhow!("OUTBOX_TEST_DATABASE_URL is not a URL: {e}"))?;
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(std::borrow::Cow::into_owned)
+            .context("OUTBOX_TEST_DATABASE_URL: a part is not UTF-8 once decoded")
+    };
+    let query = |key: &str| {
+        url.query_pairs()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.into_owned())
+    };
+    Ok(DatabaseParts {
+        host: url
+            .host_str()
+            .context("OUTBOX_TEST_DATABASE_URL has no host")?
+            .to_owned(),
+        port: url.port().unwrap_or(5432),
+        user: decode(url.username())?,
+        password: decode(url.password().unwrap_or(""))?,
+        database: decode(url.path().trim_start_matches('/'))?,
+        sslmode: query("sslmode"),
+        sslrootcert: query("sslrootcert"),
+    })
+}
+
+/// Percent-encodes all but unreserved characters and `/` (a path in a URL's query).
+pub fn url_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// The broker's bootstrap address.
@@ -62,11 +182,9 @@ pub struct TestDb {
 impl TestDb {
     /// The test database's URL with this schema as `search_path` (for processes: the CLI).
     pub fn url(&self) -> String {
-        format!(
-            "{}?options=-c%20search_path%3D{}",
-            database_url(),
-            self.schema
-        )
+        let url = database_url();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}options=-c%20search_path%3D{}", self.schema)
     }
 
     /// A second pool on this schema whose connections carry `application_name`, so a test

@@ -94,7 +94,8 @@ impl Scenario {
         let mut command = tokio::process::Command::new(&self.worker_exe);
         command
             .arg("worker")
-            .args(["--database-url", &self.database_url])
+            // The URL may carry a password: the environment, not the process list.
+            .env("DATABASE_URL", &self.database_url)
             .args(["--schema", &self.schema])
             .args(["--brokers", &self.brokers])
             .args(["--topic", topic])

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use outbox_examples::agent::scenario::{Scenario, charged_topic, print_report};
 use outbox_examples::agent::worker::{self, WorkerConfig};
@@ -29,14 +29,10 @@ struct Args {
 
 #[derive(Debug, clap::Args)]
 struct Services {
-    /// The PostgreSQL database.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        global = true
-    )]
-    database_url: String,
+    /// The PostgreSQL database (scripts/demo sets `DATABASE_URL` to its own cluster's; a URL
+    /// with a password belongs in the environment, not in the process list).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
     /// Kafka bootstrap servers.
     #[arg(
         long,
@@ -96,13 +92,17 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = Args::parse();
+    let database_url =
+        args.services.database_url.clone().context(
+            "no database: pass --database-url or set DATABASE_URL (scripts/demo sets it)",
+        )?;
     if let Some(Role::Worker {
         topic,
         group,
         crash,
     }) = args.role
     {
-        let pool = schema::connect(&args.services.database_url, &args.schema, 8).await?;
+        let pool = schema::connect(&database_url, &args.schema, 8).await?;
         let config = WorkerConfig {
             brokers: args.services.brokers,
             charged_topic: charged_topic(&topic),
@@ -114,7 +114,7 @@ async fn main() -> Result<()> {
     }
 
     let scenario = Scenario {
-        database_url: args.services.database_url,
+        database_url,
         schema: args.schema,
         brokers: args.services.brokers,
         worker_exe: std::env::current_exe()?,

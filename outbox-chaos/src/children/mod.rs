@@ -43,8 +43,9 @@ pub(crate) struct ChaosPayload {
 /// What every child needs.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct Common {
-    /// Postgres server URL (the database name is replaced by `--database`).
-    #[arg(long)]
+    /// Postgres server URL (the database name is replaced by `--database`). The orchestrator
+    /// passes it in the environment: it may carry a password.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub(crate) database_url: String,
     /// The run's database.
     #[arg(long)]

@@ -107,4 +107,4 @@ pub use outbox_core::{EventId, MIGRATOR, TableNames, migrate, wire};
 pub use prune::{DedupPruned, prune};
 pub use pruner::DedupPruner;
 pub use runner::consumer_config;
-pub use slice::{TIMELESS, dedup_slice, ensure_dedup_slices, today};
+pub use slice::{SLICES_AHEAD, TIMELESS, dedup_slice, ensure_dedup_slices, today};

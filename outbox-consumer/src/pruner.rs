@@ -74,6 +74,7 @@ impl DedupPruner {
                     tracing::info!(
                         slices_dropped = pruned.slices_dropped,
                         timeless_rows = pruned.timeless_rows,
+                        slices_made = pruned.slices_made,
                         "pruned the dedup store"
                     );
                 }

@@ -38,3 +38,8 @@ pub use partition::{java_partition, murmur2};
 pub use prune::{delete_in_batches, delete_while_full, prune_unlock, try_prune_lock};
 pub use quarantine_table::QuarantineTable;
 pub use retry::backoff;
+
+/// The grants of each part's least-privileged role, as SQL for the tables' owner to run
+/// (`outbox-core/sql/roles.sql`; README, "Roles"). Roles are the operator's: it grants to
+/// roles that exist, under the names its comments say to replace, and creates none.
+pub const ROLES_SQL: &str = include_str!("../sql/roles.sql");

@@ -40,12 +40,14 @@ GRANT SELECT, UPDATE ON outbox_events TO outbox_relay;
 -- GRANT DELETE ON outbox_events TO outbox_relay;
 
 -- The dedup consumer: records ids (INSERT), looks for recorded ones (SELECT), deletes the
--- rows of a batch cut short by a rebalance (DELETE); quarantines poison (INSERT). Its
--- handlers' own tables are the application's to grant. It cannot make day slices: the owner's
--- `outbox migrate` and `outbox prune dedup` make them ahead, and a day without one is recorded
--- in the timeless slice (README, "Roles").
+-- rows of a batch cut short by a rebalance (DELETE); quarantines poison (INSERT, and SELECT on
+-- the columns its ON CONFLICT names: it reads no quarantined message). Its handlers' own
+-- tables are the application's to grant. It cannot make day slices: the owner's `outbox
+-- migrate` and `outbox prune dedup` make them ahead, and a day without one is recorded in the
+-- timeless slice (README, "Roles").
 GRANT SELECT, INSERT, DELETE ON outbox_consumer_dedup TO outbox_dedup_consumer;
-GRANT INSERT ON outbox_consumer_quarantine TO outbox_dedup_consumer;
+GRANT INSERT, SELECT (consumer, topic, partition, "offset", record_digest)
+    ON outbox_consumer_quarantine TO outbox_dedup_consumer;
 
 -- `outbox status`: reads only.
 GRANT SELECT ON outbox_events, outbox_consumer_dedup, outbox_consumer_quarantine

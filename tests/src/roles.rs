@@ -147,11 +147,11 @@ impl Roles {
 
     /// A pool of `login` on this schema.
     pub async fn pool(&self, login: &Login) -> Result<PgPool> {
-        Ok(PgPoolOptions::new()
+        PgPoolOptions::new()
             .max_connections(4)
             .connect_with(self.options(login)?)
             .await
-            .with_context(|| format!("connecting as {}", login.name))?)
+            .with_context(|| format!("connecting as {}", login.name))
     }
 
     /// A URL of `login` on this schema, for the CLI (give it through the environment: it

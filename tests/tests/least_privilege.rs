@@ -244,6 +244,44 @@ async fn each_part_runs_as_its_documented_role() -> Result<()> {
     assert!(!slice_exists(&owner, yesterday).await?);
     assert_eq!(effects(&owner).await?, (3, 3));
 
+    // Poison goes to the quarantine (INSERT only, with its ON CONFLICT .. DO NOTHING).
+    let poison = event_message(&topic, 11, decided(0), "not json");
+    let quarantined = second.process(&poison, &CancellationToken::new()).await?;
+    assert!(
+        matches!(quarantined, Outcome::Quarantined(_)),
+        "{quarantined:?}"
+    );
+    assert_eq!(
+        second.process(&poison, &CancellationToken::new()).await?,
+        quarantined
+    );
+
+    // The documented grants less one essential privilege fail: the test is not vacuous.
+    let (writer_name, relay_name) = (&roles.writer.name, &roles.relay.name);
+    roles
+        .as_admin(&format!(
+            "REVOKE INSERT ON {0}.outbox_events FROM {writer_name}; \
+             REVOKE UPDATE ON {0}.outbox_events FROM {relay_name}",
+            roles.schema
+        ))
+        .await?;
+    let event =
+        NewEvent::new("agent", "a1", "Step", &serde_json::json!({ "n": 2 }))?.with_topic(&topic)?;
+    let enqueued = outbox_producer::enqueue(&mut *writer.acquire().await?, &event).await;
+    assert!(
+        enqueued
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("permission denied")),
+        "the writer enqueued without INSERT: {enqueued:?}"
+    );
+    let claimed = relay.run_once().await;
+    assert!(
+        claimed
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("permission denied")),
+        "the relay claimed without UPDATE: {claimed:?}"
+    );
+
     drop(conn);
     for pool in [owner, writer, relay_pool, consumer_pool] {
         pool.close().await;

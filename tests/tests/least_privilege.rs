@@ -203,6 +203,16 @@ async fn each_part_runs_as_its_documented_role() -> Result<()> {
         "yesterday had no slice: its id is in the timeless slice, under -day"
     );
     assert!(!slice_exists(&owner, yesterday).await?);
+    // It reached today's slice, made after the grants, through the dedup table only.
+    let direct = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM outbox_consumer_dedup_d{today}"
+    )))
+    .execute(&consumer_pool)
+    .await;
+    assert!(
+        direct.as_ref().is_err_and(insufficient_privilege),
+        "no grant on the slice itself: {direct:?}"
+    );
     let detach = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "ALTER TABLE outbox_consumer_dedup DETACH PARTITION outbox_consumer_dedup_d{today}"
     )))

@@ -17,7 +17,9 @@
 -- the slices through the dedup table, so slices the owner makes later need no grant
 -- (no ALTER DEFAULT PRIVILEGES).
 
--- Every part reaches the tables' schema.
+-- Every part reaches the tables' schema. The owner must own the schema (or hold USAGE on it
+-- WITH GRANT OPTION): otherwise PostgreSQL grants nothing, says so only in a warning, and
+-- every part then fails with "relation ... does not exist".
 DO $$
 BEGIN
     EXECUTE format(

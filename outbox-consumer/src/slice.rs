@@ -145,28 +145,13 @@ pub(crate) async fn recorded_late(
     if ids.is_empty() {
         return Ok(HashSet::new());
     }
-    // Waiting for another batch's lock is contention, not this message's failure: a role's
-    // `lock_timeout` or `statement_timeout` (managed Postgres sets them) must not cut the wait
-    // and charge the message an attempt. The handlers then run under the role's settings.
-    let (lock_timeout, statement_timeout, _, _): (String, String, String, String) =
-        sqlx::query_as(
-            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), \
-                    set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)",
-        )
-        .fetch_one(&mut *conn)
-        .await?;
-    sqlx::query(sql.lock_late_ids.clone())
-        .bind(dedup.as_str())
-        .bind(consumer)
-        .bind(ids)
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query(
-        "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+    wait_for_locks(
+        conn,
+        sqlx::query(sql.lock_late_ids.clone())
+            .bind(dedup.as_str())
+            .bind(consumer)
+            .bind(ids),
     )
-    .bind(lock_timeout)
-    .bind(statement_timeout)
-    .execute(&mut *conn)
     .await?;
     let recorded: Vec<Uuid> = sqlx::query_scalar(sql.find_recorded.clone())
         .bind(consumer)
@@ -174,6 +159,33 @@ pub(crate) async fn recorded_late(
         .fetch_all(&mut *conn)
         .await?;
     Ok(recorded.into_iter().collect())
+}
+
+/// Runs `lock`, a statement that waits for advisory locks other transactions hold. Waiting
+/// for another batch's lock is contention, not this message's failure: a role's
+/// `lock_timeout` or `statement_timeout` (managed Postgres sets them) must not cut the wait
+/// and charge the message an attempt. They are set aside for the wait only: the handlers then
+/// run under the role's settings.
+async fn wait_for_locks(
+    conn: &mut PgConnection,
+    lock: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+) -> Result<(), sqlx::Error> {
+    let (lock_timeout, statement_timeout, _, _): (String, String, String, String) =
+        sqlx::query_as(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), \
+                    set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+    lock.execute(&mut *conn).await?;
+    sqlx::query(
+        "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+    )
+    .bind(lock_timeout)
+    .bind(statement_timeout)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Today's slice, by this machine's clock.
@@ -327,8 +339,8 @@ async fn existing(
 /// Of the days `missing` (their slices were missing when the transaction's caller looked),
 /// those still missing once this transaction holds the fallback lock (module docs): their
 /// ids go to their [`fallback`]. The lock is held to the transaction's end, so no slice is
-/// made for them before it commits. Waiting for a creator is no message's failure: the
-/// role's `lock_timeout` and `statement_timeout` are set aside for the wait, as for late ids.
+/// made for them before it commits. Waiting for a creator is no message's failure
+/// ([`wait_for_locks`]).
 pub(crate) async fn still_missing(
     conn: &mut PgConnection,
     dedup: &Ident,
@@ -337,22 +349,8 @@ pub(crate) async fn still_missing(
     if missing.is_empty() {
         return Ok(HashSet::new());
     }
-    let (lock_timeout, statement_timeout, _, _): (String, String, String, String) =
-        sqlx::query_as(
-            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), \
-                    set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)",
-        )
-        .fetch_one(&mut *conn)
-        .await?;
-    sqlx::query(AssertSqlSafe(format!(
-        "SELECT pg_advisory_xact_lock_shared({SLICES_LOCK}), \
-                set_config('lock_timeout', $2, true), set_config('statement_timeout', $3, true)"
-    )))
-    .bind(dedup.as_str())
-    .bind(lock_timeout)
-    .bind(statement_timeout)
-    .execute(&mut *conn)
-    .await?;
+    let lock = format!("SELECT pg_advisory_xact_lock_shared({SLICES_LOCK})");
+    wait_for_locks(conn, sqlx::query(AssertSqlSafe(lock)).bind(dedup.as_str())).await?;
     // A statement of its own: it must see a slice that a creator committed while this one
     // waited for the lock.
     let days: Vec<i32> = missing.iter().copied().collect();

@@ -150,11 +150,17 @@ async fn main() -> Result<()> {
     let mut conn = match cli.command {
         Command::Migrate => {
             outbox_core::migrate_with(&pool, &tables).await?;
-            // The dedup slices of the days around today, so consumers find them made; they
-            // make any other day they meet themselves.
+            // The dedup slices of the days around today, so consumers find them made
+            // (`outbox prune dedup` makes the next ones): a consumer that may not make a slice
+            // records a missing day's ids in the timeless slice.
             let today = outbox_consumer::today();
             let mut conn = pool.acquire().await?;
-            outbox_consumer::ensure_dedup_slices(&mut conn, &tables, today - 1..=today + 2).await?;
+            outbox_consumer::ensure_dedup_slices(
+                &mut conn,
+                &tables,
+                today - 1..=today + outbox_consumer::SLICES_AHEAD,
+            )
+            .await?;
             println!("migrations applied");
             return Ok(());
         }
@@ -175,8 +181,8 @@ async fn main() -> Result<()> {
             PruneTarget::Dedup => {
                 let pruned = outbox_consumer::prune(&mut conn, &tables, older_than, batch).await?;
                 println!(
-                    "dropped {} day slices, removed {} timeless rows",
-                    pruned.slices_dropped, pruned.timeless_rows
+                    "dropped {} day slices, removed {} timeless rows, made {} day slices ahead",
+                    pruned.slices_dropped, pruned.timeless_rows, pruned.slices_made
                 );
             }
             PruneTarget::Published => {

@@ -66,8 +66,8 @@ async fn prune_dedup_from_cron_removes_only_old_rows() -> Result<()> {
     assert!(ok, "{stderr}");
     assert_eq!(
         stdout.trim(),
-        "dropped 2 day slices, removed 3 timeless rows",
-        "the days of 10 and 9 days ago; ages 7.5, 8.5 and 9.5 days"
+        "dropped 2 day slices, removed 3 timeless rows, made 8 day slices ahead",
+        "the days of 10 and 9 days ago; ages 7.5, 8.5 and 9.5 days; today to a week ahead"
     );
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_dedup")
         .fetch_one(&db.pool)
@@ -90,7 +90,7 @@ async fn migrate_makes_the_dedup_slices_around_today() -> Result<()> {
     .fetch_all(&db.pool)
     .await?;
     let today = outbox_consumer::today();
-    let mut expected: Vec<String> = (today - 1..=today + 2)
+    let mut expected: Vec<String> = (today - 1..=today + outbox_consumer::SLICES_AHEAD)
         .map(|d| format!("outbox_consumer_dedup_d{d}"))
         .collect();
     expected.push("outbox_consumer_dedup_timeless".to_owned());

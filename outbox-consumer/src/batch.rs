@@ -43,7 +43,7 @@ use crate::failure::{
     AttemptError, handler_sql_error, is_connection_lost, is_inherited, is_outage, is_unavailable,
 };
 use crate::permit::Turn;
-use crate::slice::{Placement, SLICE_RETRIES, is_missing_slice};
+use crate::slice::{SLICE_RETRIES, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
 
 /// A message, decoded.
@@ -271,7 +271,7 @@ where
         }
         let place = inner.placement();
         let slices: Vec<i32> = ids.iter().map(|id| place.slice(id)).collect();
-        inner
+        let missing = inner
             .ensure_slices(slices.iter().copied())
             .await
             .map_err(BatchFailure::Unavailable)?;
@@ -281,6 +281,11 @@ where
             .await
             .map_err(BatchFailure::from_statement)?;
         bump(&inner.counters.transactions);
+        // Days whose slice is missing, and not ours to make: their fallback (`slice.rs`).
+        let slices = inner
+            .fall_back(&mut tx, &missing, slices)
+            .await
+            .map_err(BatchFailure::from_statement)?;
         // Late ids (dated on the window's oldest day or before) found in any slice are
         // duplicates (`slice.rs`).
         let (ids, slices) = inner
@@ -297,7 +302,7 @@ where
             }
         };
         let mut outcomes = self
-            .run_items(&mut tx, messages, items, &new, &place, owned)
+            .run_items(&mut tx, messages, items, &new, (&ids, &slices), owned)
             .await;
         // The first message processed: its dedup row tells whether the transaction open now
         // is the one that inserted the batch's rows.
@@ -418,7 +423,7 @@ where
         messages: &[OwnedMessage],
         items: &[Item<P>],
         new: &HashSet<Uuid>,
-        place: &Placement,
+        (ids, slices): (&[Uuid], &[i32]),
         owned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<Vec<Outcome>, BatchFailure> {
         let inner = &*self.inner;
@@ -427,7 +432,11 @@ where
         for (index, (message, item)) in messages.iter().zip(items).enumerate() {
             if !owned() {
                 let unhandled: Vec<Uuid> = new.difference(&handled).copied().collect();
-                let slices: Vec<i32> = unhandled.iter().map(|id| place.slice(id)).collect();
+                // Each where it was inserted (its own slice, or a fallback).
+                let slices: Vec<i32> = unhandled
+                    .iter()
+                    .filter_map(|id| Some(slices[ids.iter().position(|i| i == id)?]))
+                    .collect();
                 sqlx::query(inner.sql.delete_dedup_batch.clone())
                     .bind(&inner.name)
                     .bind(&unhandled)

@@ -2,6 +2,7 @@
 //! the entry points for hand-driven loops (a batch's path is in `batch.rs`, one
 //! message's retries in `dedup_transaction.rs`).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -173,18 +174,46 @@ pub(crate) struct Inner<P, H> {
 }
 
 impl<P, H> Inner<P, H> {
-    /// Makes sure the dedup slices `days` exist before a transaction inserts into them. Callers
-    /// treat a failure as the database being unavailable, whatever it is (a role that may not
-    /// create tables, say): it is no message's fault, so the messages wait and none is
-    /// quarantined for it.
+    /// Makes sure the dedup slices `days` exist before a transaction inserts into them, and
+    /// returns those that are missing and may not be made here (`slice.rs`): the transaction
+    /// passes them to [`Self::fall_back`]. Callers treat a failure as the database being
+    /// unavailable: it is no message's fault, so the messages wait and none is quarantined
+    /// for it.
     pub(crate) async fn ensure_slices(
         &self,
         days: impl IntoIterator<Item = i32>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<HashSet<i32>, sqlx::Error> {
         self.slices
             .ensure(&self.pool, &self.config.tables.consumer_dedup, days)
             .await
             .inspect_err(|error| tracing::warn!(%error, "cannot create a dedup slice"))
+    }
+
+    /// `slices` with those of the days `missing` that are still missing, now that this
+    /// transaction holds the fallback lock, replaced by their fallback (`slice.rs`).
+    pub(crate) async fn fall_back(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        missing: &HashSet<i32>,
+        mut slices: Vec<i32>,
+    ) -> Result<Vec<i32>, sqlx::Error> {
+        if missing.is_empty() {
+            return Ok(slices);
+        }
+        let dedup = &self.config.tables.consumer_dedup;
+        let fallen = crate::slice::still_missing(conn, dedup, missing).await?;
+        let mut moved = 0_u64;
+        for slice in slices.iter_mut().filter(|s| fallen.contains(s)) {
+            *slice = crate::slice::fallback(*slice);
+            moved += 1;
+        }
+        if moved > 0 {
+            tracing::debug!(consumer = %self.name, rows = moved,
+                "dedup rows recorded in the timeless slice: their day has no slice");
+            metrics::counter!("outbox_consumer_dedup_fallback_total", "consumer" => self.name.clone())
+                .increment(moved);
+        }
+        Ok(slices)
     }
 
     /// Where this transaction records its ids (`slice.rs`), by `dedup_ttl` and today's date.

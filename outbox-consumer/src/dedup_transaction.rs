@@ -120,13 +120,18 @@ where
         let statement = |e| AttemptError::from_statement("transaction_failed", e);
         let place = inner.placement();
         let slice = place.slice(&id);
-        inner
+        let missing = inner
             .ensure_slices([slice])
             .await
             .map_err(AttemptError::Unavailable)?;
         let mut tx = inner.pool.begin().await.map_err(statement)?;
         let began = Instant::now();
         bump(&inner.counters.transactions);
+        // Its day's slice missing, and not ours to make: its fallback (`slice.rs`).
+        let slice = inner
+            .fall_back(&mut tx, &missing, vec![slice])
+            .await
+            .map_err(statement)?[0];
         // A late id (dated on the window's oldest day or before) found in any slice is a
         // duplicate (`slice.rs`).
         let (unrecorded, _) = inner

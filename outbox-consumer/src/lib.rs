@@ -112,4 +112,4 @@ pub use prune::{DedupPruned, prune};
 pub use pruner::DedupPruner;
 pub use quarantine_prune::{prune_quarantine, prune_quarantine_batch};
 pub use runner::consumer_config;
-pub use slice::{TIMELESS, dedup_slice, ensure_dedup_slices, today};
+pub use slice::{SLICES_AHEAD, TIMELESS, dedup_slice, ensure_dedup_slices, today};

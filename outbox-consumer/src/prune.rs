@@ -15,8 +15,12 @@ use crate::slice::{day_of, today};
 pub struct DedupPruned {
     /// Day slices dropped whole (each a table: no rows deleted, nothing left for vacuum).
     pub slices_dropped: u64,
-    /// Rows deleted from the timeless slice (ids that carry no time).
+    /// Rows deleted from the timeless slice (ids that carry no time, and those of days that
+    /// had no slice when they were handled).
     pub timeless_rows: u64,
+    /// Day slices made ahead, for yesterday to [`SLICES_AHEAD`](crate::SLICES_AHEAD) days
+    /// after today.
+    pub slices_made: u64,
 }
 
 /// Bounds the dedup table to `older_than`, one instance at a time (another finds it running
@@ -28,6 +32,9 @@ pub struct DedupPruned {
 ///   rows it holds.
 /// - The timeless slice (ids that carry no time) is pruned by processing time, at most `batch`
 ///   rows per statement, each its own short transaction.
+/// - The day slices of yesterday to [`SLICES_AHEAD`](crate::SLICES_AHEAD) days after today
+///   are made where missing, so that consumers that may not make slices find them (see
+///   "Roles" in the README). Dropping and making slices needs the dedup table's owner.
 ///
 /// Run it with the consumers' `dedup_ttl` (`ConsumerConfig::dedup_ttl`): they record an id
 /// in its own day's slice only while that day is inside their window (the TTL back from
@@ -66,7 +73,7 @@ pub async fn prune(
     if !outbox_core::try_prune_lock(conn, dedup).await? {
         return Ok(DedupPruned::default());
     }
-    let pruned = prune_locked(conn, dedup, older_than, batch).await;
+    let pruned = prune_locked(conn, tables, older_than, batch).await;
     let unlocked = outbox_core::prune_unlock(conn, dedup).await;
     let pruned = pruned?;
     unlocked?;
@@ -75,10 +82,11 @@ pub async fn prune(
 
 async fn prune_locked(
     conn: &mut PgConnection,
-    dedup: &Ident,
+    tables: &TableNames,
     older_than: Duration,
     batch: u32,
 ) -> Result<DedupPruned, ConsumerError> {
+    let dedup = &tables.consumer_dedup;
     // A day is past once its end is: day + 1 <= today - whole days of `older_than`, counted
     // in milliseconds so that a TTL of a day and a half keeps the day it reaches into.
     let ttl_days = i64::try_from(older_than.as_millis().div_ceil(86_400_000)).unwrap_or(i64::MAX);
@@ -124,9 +132,13 @@ async fn prune_locked(
          SELECT count(*), max(processed_at) FROM gone"
     );
     let timeless_rows = outbox_core::delete_while_full(conn, delete, older_than, batch).await?;
+    let now = today();
+    let slices_made =
+        crate::ensure_dedup_slices(conn, tables, now - 1..=now + crate::SLICES_AHEAD).await?;
     Ok(DedupPruned {
         slices_dropped,
         timeless_rows,
+        slices_made,
     })
 }
 

@@ -11,7 +11,8 @@ use crate::{ConsumerError, DedupPruned, prune};
 
 /// Runs [`prune`](crate::prune) every `interval` until cancelled. Any number of instances may
 /// run (one per consumer process, say): one prunes at a time, the others find it pruning and
-/// skip that turn.
+/// skip that turn. Its pool must connect as the dedup table's owner (dropping and making day
+/// slices needs it; README, "Roles"), not as a least-privileged consumer's role.
 ///
 /// ```no_run
 /// # async fn doc(pool: sqlx::PgPool) {
@@ -74,6 +75,7 @@ impl DedupPruner {
                     tracing::info!(
                         slices_dropped = pruned.slices_dropped,
                         timeless_rows = pruned.timeless_rows,
+                        slices_made = pruned.slices_made,
                         "pruned the dedup store"
                     );
                 }

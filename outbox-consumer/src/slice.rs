@@ -28,9 +28,25 @@
 //! late, and the primary key makes one of them wait for the other and find its row. Members of
 //! one consumer name must share `dedup_ttl` (and `prune`'s TTL should be the same): members
 //! whose windows differ by more than a day could record the same id in two slices at once.
+//!
+//! **A consumer that may not make slices.** Making a slice (`ATTACH PARTITION`) needs the
+//! dedup table's owner, so a least-privileged consumer (INSERT, SELECT, DELETE on the dedup
+//! table) relies on the owner's jobs to make them ahead (`outbox migrate`, `outbox prune
+//! dedup`, [`DedupPruner`](crate::DedupPruner): [`SLICES_AHEAD`] days). When a day's slice is
+//! missing all the same, the consumer does not wait for it: it records that day's ids in the
+//! timeless slice under the slice value `-day` ([`fallback`]), and says so once (a warning)
+//! and per row (`outbox_consumer_dedup_fallback_total`). Deduplication is unchanged, because
+//! a day's ids are never split between its slice and its fallback: a transaction that uses
+//! the fallback holds a shared advisory lock on the dedup table and sees, after taking it,
+//! that the day's slice is still missing; a creator of slices holds the same lock exclusively
+//! and makes no slice for a day that has fallback rows (`ensure_slice`). So each id of a day
+//! goes to one slice value, `day` or `-day`, and the primary key finds its earlier row there.
+//! Fallback rows are pruned with the timeless slice, by processing time: kept the TTL after
+//! they were handled.
 
 use std::collections::HashSet;
 use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outbox_core::{Ident, TableNames};
@@ -41,6 +57,17 @@ const DAY_MS: u64 = 86_400_000;
 
 /// The slice of ids that carry no time (not UUIDv7): pruned by processing time.
 pub const TIMELESS: i32 = 0;
+
+/// How many days after today the owner's jobs (`outbox migrate`, `outbox prune dedup`,
+/// [`DedupPruner`](crate::DedupPruner)) make dedup slices ahead, so that consumers that may
+/// not make them find them made: a pruner that runs daily can miss a week.
+pub const SLICES_AHEAD: i32 = 7;
+
+/// The slice value under which day `day`'s ids are recorded, in the timeless slice, while
+/// that day has no slice that this consumer may make (module docs).
+pub(crate) fn fallback(day: i32) -> i32 {
+    -day
+}
 
 /// The dedup slice of `id`: the day (since the Unix epoch) of a UUIDv7 id's timestamp, or
 /// [`TIMELESS`]. The same value as the SQL function `outbox_consumer_dedup_slice(uuid)` that
@@ -118,28 +145,13 @@ pub(crate) async fn recorded_late(
     if ids.is_empty() {
         return Ok(HashSet::new());
     }
-    // Waiting for another batch's lock is contention, not this message's failure: a role's
-    // `lock_timeout` or `statement_timeout` (managed Postgres sets them) must not cut the wait
-    // and charge the message an attempt. The handlers then run under the role's settings.
-    let (lock_timeout, statement_timeout, _, _): (String, String, String, String) =
-        sqlx::query_as(
-            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), \
-                    set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)",
-        )
-        .fetch_one(&mut *conn)
-        .await?;
-    sqlx::query(sql.lock_late_ids.clone())
-        .bind(dedup.as_str())
-        .bind(consumer)
-        .bind(ids)
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query(
-        "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+    wait_for_locks(
+        conn,
+        sqlx::query(sql.lock_late_ids.clone())
+            .bind(dedup.as_str())
+            .bind(consumer)
+            .bind(ids),
     )
-    .bind(lock_timeout)
-    .bind(statement_timeout)
-    .execute(&mut *conn)
     .await?;
     let recorded: Vec<Uuid> = sqlx::query_scalar(sql.find_recorded.clone())
         .bind(consumer)
@@ -147,6 +159,33 @@ pub(crate) async fn recorded_late(
         .fetch_all(&mut *conn)
         .await?;
     Ok(recorded.into_iter().collect())
+}
+
+/// Runs `lock`, a statement that waits for advisory locks other transactions hold. Waiting
+/// for another batch's lock is contention, not this message's failure: a role's
+/// `lock_timeout` or `statement_timeout` (managed Postgres sets them) must not cut the wait
+/// and charge the message an attempt. They are set aside for the wait only: the handlers then
+/// run under the role's settings.
+async fn wait_for_locks(
+    conn: &mut PgConnection,
+    lock: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+) -> Result<(), sqlx::Error> {
+    let (lock_timeout, statement_timeout, _, _): (String, String, String, String) =
+        sqlx::query_as(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), \
+                    set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+    lock.execute(&mut *conn).await?;
+    sqlx::query(
+        "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+    )
+    .bind(lock_timeout)
+    .bind(statement_timeout)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Today's slice, by this machine's clock.
@@ -170,23 +209,28 @@ pub(crate) fn day_of(dedup: &Ident, table: &str) -> Option<i32> {
 }
 
 /// Creates the day slices `days` of the dedup table where missing, each in its own short
-/// transaction, so that no consumer waits to create one: `outbox migrate` runs it for the days
-/// around today, and consumers for any day they meet. Creating a slice takes no lock that
-/// consumers' inserts wait for (the table is attached with `SHARE UPDATE EXCLUSIVE`).
+/// transaction, so that no consumer waits to create one: `outbox migrate` and `outbox prune
+/// dedup` run it as the table's owner for the days around today ([`SLICES_AHEAD`]), and
+/// consumers that may (the owner) for any day they meet. A day whose ids a consumer already
+/// recorded in its fallback (module docs) gets no slice. Returns how many slices it made.
 pub async fn ensure_dedup_slices(
     conn: &mut PgConnection,
     tables: &TableNames,
     days: impl IntoIterator<Item = i32>,
-) -> Result<(), crate::ConsumerError> {
+) -> Result<u64, crate::ConsumerError> {
+    let mut made = 0;
     for day in days {
-        ensure_slice(conn, &tables.consumer_dedup, day)
+        let state = ensure_slice(conn, &tables.consumer_dedup, day)
             .await
             .map_err(|e| match e {
                 SliceError::Sql(e) => crate::ConsumerError::Database(e),
                 SliceError::Name(e) => crate::ConsumerError::Core(e),
             })?;
+        if state == Slice::Made {
+            made += 1;
+        }
     }
-    Ok(())
+    Ok(made)
 }
 
 #[derive(Debug)]
@@ -201,17 +245,34 @@ impl From<sqlx::Error> for SliceError {
     }
 }
 
-async fn ensure_slice(conn: &mut PgConnection, dedup: &Ident, day: i32) -> Result<(), SliceError> {
+/// What [`ensure_slice`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slice {
+    Existed,
+    Made,
+    /// Missing, and left so: the day's ids are in its fallback.
+    FallenBack,
+}
+
+/// The advisory lock that creators of `dedup`'s slices take exclusively and transactions
+/// using a fallback take shared (module docs). `$1` is the dedup table.
+const SLICES_LOCK: &str = "hashtext('outbox_dedup_slices'), hashtext($1::regclass::oid::text)";
+
+async fn ensure_slice(
+    conn: &mut PgConnection,
+    dedup: &Ident,
+    day: i32,
+) -> Result<Slice, SliceError> {
     if day == TIMELESS {
-        return Ok(());
+        return Ok(Slice::Existed);
     }
     let part = slice_table(dedup, day).map_err(SliceError::Name)?;
     let mut tx = sqlx::Connection::begin(conn).await?;
-    // One creator per table at a time: two consumers meeting the same new day would otherwise
-    // both try to attach it.
-    sqlx::query(
-        "SELECT pg_advisory_xact_lock(hashtext('outbox_dedup_slices'), hashtext($1::regclass::oid::text))",
-    )
+    // One creator per table at a time (two consumers meeting the same new day would otherwise
+    // both try to attach it), and none while a transaction may be writing a day's fallback.
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT pg_advisory_xact_lock({SLICES_LOCK})"
+    )))
     .bind(dedup.as_str())
     .execute(&mut *tx)
     .await?;
@@ -223,20 +284,78 @@ async fn ensure_slice(conn: &mut PgConnection, dedup: &Ident, day: i32) -> Resul
     .bind(part.as_str())
     .fetch_one(&mut *tx)
     .await?;
-    if !attached {
-        // Created apart and then attached: `CREATE TABLE .. PARTITION OF` would lock the
-        // whole dedup table against the consumers' inserts; ATTACH does not.
-        let (from, to) = (i64::from(day), i64::from(day) + 1);
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {part} (LIKE {dedup} INCLUDING DEFAULTS); \
-             ALTER TABLE {dedup} ATTACH PARTITION {part} FOR VALUES FROM ({from}) TO ({to})"
-        )))
-        .execute(&mut *tx)
-        .await?;
-        tracing::info!(table = part.as_str(), day, "created a dedup slice");
+    if attached {
+        tx.commit().await?;
+        return Ok(Slice::Existed);
     }
+    // A literal, so that the plan reads only the timeless slice, through its partial index on
+    // fallback rows (migration 0011).
+    let fallen_back: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT EXISTS (SELECT 1 FROM {dedup} WHERE slice = {})",
+        fallback(day)
+    )))
+    .fetch_one(&mut *tx)
+    .await?;
+    if fallen_back {
+        tx.commit().await?;
+        tracing::info!(
+            table = dedup.as_str(),
+            day,
+            "no dedup slice made: the day's ids are recorded in the timeless slice already"
+        );
+        return Ok(Slice::FallenBack);
+    }
+    // Created apart and then attached: `CREATE TABLE .. PARTITION OF` would lock the whole
+    // dedup table against the consumers' inserts; ATTACH does not.
+    let (from, to) = (i64::from(day), i64::from(day) + 1);
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {part} (LIKE {dedup} INCLUDING DEFAULTS); \
+         ALTER TABLE {dedup} ATTACH PARTITION {part} FOR VALUES FROM ({from}) TO ({to})"
+    )))
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
-    Ok(())
+    tracing::info!(table = part.as_str(), day, "created a dedup slice");
+    Ok(Slice::Made)
+}
+
+/// Which of the day slices `days` of `dedup` exist now.
+async fn existing(
+    conn: &mut PgConnection,
+    dedup: &Ident,
+    days: &[i32],
+) -> Result<HashSet<i32>, sqlx::Error> {
+    let found: Vec<i32> = sqlx::query_scalar(
+        "SELECT d FROM unnest($2::int[]) AS d WHERE EXISTS (SELECT 1 FROM pg_inherits \
+         WHERE inhparent = $1::regclass AND inhrelid = to_regclass($1 || '_d' || d))",
+    )
+    .bind(dedup.as_str())
+    .bind(days)
+    .fetch_all(conn)
+    .await?;
+    Ok(found.into_iter().collect())
+}
+
+/// Of the days `missing` (their slices were missing when the transaction's caller looked),
+/// those still missing once this transaction holds the fallback lock (module docs): their
+/// ids go to their [`fallback`]. The lock is held to the transaction's end, so no slice is
+/// made for them before it commits. Waiting for a creator is no message's failure
+/// ([`wait_for_locks`]).
+pub(crate) async fn still_missing(
+    conn: &mut PgConnection,
+    dedup: &Ident,
+    missing: &HashSet<i32>,
+) -> Result<HashSet<i32>, sqlx::Error> {
+    if missing.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let lock = format!("SELECT pg_advisory_xact_lock_shared({SLICES_LOCK})");
+    wait_for_locks(conn, sqlx::query(AssertSqlSafe(lock)).bind(dedup.as_str())).await?;
+    // A statement of its own: it must see a slice that a creator committed while this one
+    // waited for the lock.
+    let days: Vec<i32> = missing.iter().copied().collect();
+    let made = existing(conn, dedup, &days).await?;
+    Ok(missing.difference(&made).copied().collect())
 }
 
 /// How often a transaction is tried again at once when its row's slice was dropped meanwhile
@@ -247,54 +366,104 @@ pub(crate) const SLICE_RETRIES: u32 = 3;
 #[derive(Debug, Default)]
 pub(crate) struct KnownSlices {
     days: RwLock<HashSet<i32>>,
+    /// Days found missing with their ids in their fallback: they get no slice while those
+    /// rows live, so they cost no creator's lock again.
+    fallen: RwLock<HashSet<i32>>,
+    /// The database refused this consumer's role the making of a slice (42501): it looks for
+    /// slices from then on, and uses fallbacks for the missing ones, without trying again.
+    refused: AtomicBool,
 }
 
 impl KnownSlices {
     /// Makes sure the day slices `days` exist, and for today's or a later day also the next
-    /// day's, ahead of time (made now, not by the first insert of a busy midnight).
+    /// day's, ahead of time (made now, not by the first insert of a busy midnight). Returns
+    /// those of `days` that are missing and stay so (this role may not make them, or their
+    /// ids are in their fallback already): the transaction checks them again under the
+    /// fallback lock ([`still_missing`]).
     pub(crate) async fn ensure(
         &self,
         pool: &PgPool,
         dedup: &Ident,
         days: impl IntoIterator<Item = i32>,
-    ) -> Result<(), sqlx::Error> {
-        let missing: Vec<i32> = {
+    ) -> Result<HashSet<i32>, sqlx::Error> {
+        let mut missing: Vec<i32> = {
             let known = self.days.read().unwrap_or_else(|p| p.into_inner());
-            let mut missing: Vec<i32> = days
-                .into_iter()
+            days.into_iter()
                 .filter(|day| *day != TIMELESS && !known.contains(day))
-                .collect();
-            missing.sort_unstable();
-            missing.dedup();
-            missing
+                .collect()
         };
         if missing.is_empty() {
-            return Ok(());
+            return Ok(HashSet::new());
         }
+        missing.sort_unstable();
+        missing.dedup();
         let mut conn = pool.acquire().await?;
         let today = today();
-        for day in missing {
-            let ahead = (day >= today).then(|| day.saturating_add(1));
-            for day in std::iter::once(day).chain(ahead) {
-                match ensure_slice(&mut conn, dedup, day).await {
-                    Ok(()) => {}
-                    Err(SliceError::Sql(error)) => return Err(error),
-                    Err(SliceError::Name(error)) => {
-                        return Err(sqlx::Error::Configuration(error.into()));
-                    }
+        let wanted: Vec<i32> = missing
+            .iter()
+            .flat_map(|&day| {
+                std::iter::once(day).chain((day >= today).then(|| day.saturating_add(1)))
+            })
+            .collect();
+        // Looked for first, without the creators' lock: made ahead, they cost one look.
+        let found = existing(&mut conn, dedup, &wanted).await?;
+        self.remember(found.iter().copied());
+        let mut left = HashSet::new();
+        for day in wanted.into_iter().filter(|day| !found.contains(day)) {
+            let fallen = self
+                .fallen
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&day);
+            if fallen || self.refused.load(Ordering::Relaxed) {
+                left.insert(day);
+                continue;
+            }
+            match ensure_slice(&mut conn, dedup, day).await {
+                Ok(Slice::Existed | Slice::Made) => self.remember([day]),
+                Ok(Slice::FallenBack) => {
+                    self.fallen
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(day);
+                    left.insert(day);
                 }
-                self.days
-                    .write()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(day);
+                Err(SliceError::Sql(sqlx::Error::Database(error)))
+                    if error.code().as_deref() == Some("42501") =>
+                {
+                    self.refused.store(true, Ordering::Relaxed);
+                    tracing::warn!(table = dedup.as_str(), day, %error,
+                        "this role may not make dedup slices: ids of days without one are \
+                         recorded in the timeless slice; run `outbox prune dedup` (or \
+                         `outbox migrate`) as the table's owner to make them ahead");
+                    left.insert(day);
+                }
+                Err(SliceError::Sql(error)) => return Err(error),
+                Err(SliceError::Name(error)) => {
+                    return Err(sqlx::Error::Configuration(error.into()));
+                }
             }
         }
-        Ok(())
+        Ok(missing
+            .into_iter()
+            .filter(|day| left.contains(day))
+            .collect())
+    }
+
+    fn remember(&self, days: impl IntoIterator<Item = i32>) {
+        self.days
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(days);
     }
 
     /// Forgets every slice: one was dropped (pruned) since it was seen.
     pub(crate) fn forget(&self) {
         self.days.write().unwrap_or_else(|p| p.into_inner()).clear();
+        self.fallen
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 }
 

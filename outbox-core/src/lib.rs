@@ -49,3 +49,8 @@ pub use quarantine_table::{
     ActionNote, QuarantineAction, QuarantineColumns, QuarantineSide, QuarantineTable,
 };
 pub use retry::backoff;
+
+/// The grants of each part's least-privileged role, as SQL for the tables' owner to run
+/// (`outbox-core/sql/roles.sql`; README, "Roles"). Roles are the operator's: it grants to
+/// roles that exist, under the names its comments say to replace, and creates none.
+pub const ROLES_SQL: &str = include_str!("../sql/roles.sql");

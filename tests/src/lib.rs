@@ -22,9 +22,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 pub use outbox_core::{java_partition, murmur2};
 mod java_producer;
 mod raw_record;
+mod roles;
 mod secure_kafka;
 pub use java_producer::{JavaRecord, java_produce};
 pub use raw_record::{ByteHeader, produce_bytes};
+pub use roles::{Login, Roles};
 pub use secure_kafka::{SecureKafka, unsecured_token};
 
 /// The Postgres database the tests use; each test gets its own schema in it.

@@ -1,0 +1,64 @@
+-- Grants for the outbox framework's least-privileged roles (README, "Roles").
+--
+-- Run it as the owner of the framework's tables (the role that ran `outbox migrate`), with
+-- their schema first in `search_path`, e.g.
+--     psql "$OWNER_URL" -v ON_ERROR_STOP=1 -f roles.sql
+-- The roles must exist: creating them, their passwords and their LOGIN or REPLICATION
+-- attributes is the operator's, never a migration's. Replace the names outbox_writer,
+-- outbox_relay, outbox_dedup_consumer, outbox_status_reader and outbox_debezium with yours
+-- (or create roles by those names and GRANT them to your login roles), and the table names
+-- if you chose others (`TableNames`, the CLI's --outbox-table and friends). Delete the lines
+-- of the parts you do not run. Running it twice is harmless.
+--
+-- The pruner (`outbox prune dedup`, `DedupPruner`) and `outbox migrate` run as the owner:
+-- dropping and making the dedup table's day slices (DETACH / ATTACH PARTITION, DROP TABLE)
+-- needs ownership of it, which no GRANT gives. Nothing here grants on the day slices
+-- themselves: privileges are checked on the table a statement names, and every part reaches
+-- the slices through the dedup table, so slices the owner makes later need no grant
+-- (no ALTER DEFAULT PRIVILEGES).
+
+-- Every part reaches the tables' schema. The owner must own the schema (or hold USAGE on it
+-- WITH GRANT OPTION): otherwise PostgreSQL grants nothing, says so only in a warning, and
+-- every part then fails with "relation ... does not exist".
+DO $$
+BEGIN
+    EXECUTE format(
+        'GRANT USAGE ON SCHEMA %I TO outbox_writer, outbox_relay, outbox_dedup_consumer, '
+        'outbox_status_reader, outbox_debezium',
+        (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE c.oid = 'outbox_events'::regclass));
+END
+$$;
+
+-- The application writer: the transaction that changes state and enqueues its events.
+-- INSERT only (the identity column needs no sequence grant; the advisory lock per key and
+-- NOTIFY need none).
+GRANT INSERT ON outbox_events TO outbox_writer;
+
+-- The relay: claims pending rows (SELECT .. FOR UPDATE SKIP LOCKED, which needs UPDATE), marks
+-- them published or records failures and quarantines (UPDATE), LISTENs (no grant).
+GRANT SELECT, UPDATE ON outbox_events TO outbox_relay;
+-- Only with `AfterPublish::Delete` (rows deleted once published):
+-- GRANT DELETE ON outbox_events TO outbox_relay;
+
+-- The dedup consumer: records ids (INSERT), looks for recorded ones (SELECT), deletes the
+-- rows of a batch cut short by a rebalance (DELETE); quarantines poison (INSERT, and SELECT on
+-- the columns its ON CONFLICT names: it reads no quarantined message). Its handlers' own
+-- tables are the application's to grant. It cannot make day slices: the owner's `outbox
+-- migrate` and `outbox prune dedup` make them ahead, and a day without one is recorded in the
+-- timeless slice (README, "Roles").
+GRANT SELECT, INSERT, DELETE ON outbox_consumer_dedup TO outbox_dedup_consumer;
+GRANT INSERT, SELECT (consumer, topic, partition, "offset", record_digest)
+    ON outbox_consumer_quarantine TO outbox_dedup_consumer;
+
+-- `outbox status`: reads only.
+GRANT SELECT ON outbox_events, outbox_consumer_dedup, outbox_consumer_quarantine
+    TO outbox_status_reader;
+
+-- Debezium's connector (instead of the relay): a role with the REPLICATION and LOGIN
+-- attributes (CREATE ROLE outbox_debezium LOGIN REPLICATION, the operator's), SELECT on the
+-- outbox table, and a publication made beforehand by the owner, the connector set to
+-- `publication.name` = it and `publication.autocreate.mode` = disabled (making it needs
+-- ownership of the table):
+--     CREATE PUBLICATION outbox_publication FOR TABLE outbox_events;
+GRANT SELECT ON outbox_events TO outbox_debezium;

@@ -1,0 +1,408 @@
+//! Each part of the framework as the least-privileged role the README's "Roles" section
+//! documents (`outbox_core::ROLES_SQL`, run by the tables' owner, not a superuser), against the
+//! real Postgres and broker: the writer enqueues, the relay publishes, the consumer handles each
+//! event once (also of a day whose dedup slice was not made ahead and that it may not make),
+//! the owner prunes and makes slices ahead. Each role lacks what it was not granted.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use outbox_consumer::{
+    ConsumerConfig, DedupConsumer, Event, Outcome, consumer_config, dedup_slice, stream_consumer,
+};
+use outbox_core::{EventId, TableNames};
+use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
+use outbox_tests::{Roles, event_message, eventually, kafka_bootstrap, random_topic, unique};
+use rdkafka::consumer::Consumer;
+use serde::Deserialize;
+use sqlx::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const DAY: u64 = 24 * 3600;
+const WEEK: Duration = Duration::from_secs(7 * DAY);
+
+#[derive(Debug, Deserialize)]
+struct Step {
+    n: i64,
+}
+
+async fn record(event: &Event<Step>, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO effects (event_id, n) VALUES ($1, $2)")
+        .bind(event.id)
+        .bind(event.payload.n)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The consumer's own table (no unique constraint: a second effect shows as a second row),
+/// made by the owner and granted to the consumer as an application would.
+async fn effects_table(roles: &Roles, owner: &PgPool) -> Result<()> {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE effects (event_id UUID, n BIGINT); GRANT INSERT ON effects TO {}",
+        roles.consumer.name
+    )))
+    .execute(owner)
+    .await?;
+    Ok(())
+}
+
+/// (effects, distinct event ids with an effect).
+async fn effects(pool: &PgPool) -> Result<(i64, i64)> {
+    Ok(
+        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM effects")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+/// A UUIDv7 event id decided `days` days from now (negative: ago).
+fn decided(days: i64) -> EventId {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs();
+    let secs = now.saturating_add_signed(days * DAY as i64);
+    EventId::from_uuid(Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        secs,
+        0,
+    )))
+}
+
+/// The dedup row of `id`: (its table, its slice value).
+async fn dedup_row(pool: &PgPool, id: EventId) -> Result<(String, i32)> {
+    Ok(sqlx::query_as(
+        "SELECT tableoid::regclass::text, slice FROM outbox_consumer_dedup WHERE event_id = $1",
+    )
+    .bind(id)
+    .fetch_one(pool)
+    .await?)
+}
+
+async fn slice_exists(pool: &PgPool, day: i32) -> Result<bool> {
+    Ok(sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(format!("outbox_consumer_dedup_d{day}"))
+        .fetch_one(pool)
+        .await?)
+}
+
+fn insufficient_privilege(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("42501"))
+}
+
+async fn consume_until(
+    consumer: &DedupConsumer<Step, impl outbox_consumer::Handler<Step>>,
+    topic: &str,
+    done: impl Fn() -> bool,
+    what: &str,
+) -> Result<()> {
+    let stream = stream_consumer(&consumer_config(&kafka_bootstrap(), &unique("g")))?;
+    stream.subscribe(&[topic])?;
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        async move { consumer.run(stream, shutdown).await }
+    });
+    let waited = eventually(what, Duration::from_secs(60), || async { Ok(done()) }).await;
+    shutdown.cancel();
+    running.await??;
+    waited
+}
+
+/// Writer, relay, consumer and pruner each as their documented role, end to end through the
+/// broker. The consumer meets a day whose slice the owner did not make ahead (yesterday's) and
+/// that it may not make: it records the day's ids in the timeless slice, without waiting, and
+/// a redelivery to a consumer with no cache is a duplicate. The owner's prune then makes the
+/// next days' slices, but not yesterday's, whose ids are in the timeless slice. Each role
+/// lacks what it was not granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_part_runs_as_its_documented_role() -> Result<()> {
+    let roles = Roles::new().await?;
+    let owner = roles.pool(&roles.owner).await?;
+    effects_table(&roles, &owner).await?;
+    let today = outbox_consumer::today();
+    // Only today's slice is made ahead, after the grants: reached through the dedup table.
+    let mut conn = owner.acquire().await?;
+    outbox_consumer::ensure_dedup_slices(&mut conn, &TableNames::default(), [today]).await?;
+
+    // The writer.
+    let topic = random_topic(1).await?;
+    let ids = [decided(0), decided(-1), EventId::from_uuid(Uuid::new_v4())];
+    let writer = roles.pool(&roles.writer).await?;
+    let mut tx = writer.begin().await?;
+    for id in ids {
+        let event = NewEvent::new("agent", "a1", "Step", &serde_json::json!({ "n": 1 }))?
+            .with_id(id)
+            .with_topic(&topic)?;
+        outbox_producer::enqueue(&mut tx, &event).await?;
+    }
+    tx.commit().await?;
+    let read = sqlx::query("SELECT 1 FROM outbox_events")
+        .execute(&writer)
+        .await;
+    assert!(
+        read.as_ref().is_err_and(insufficient_privilege),
+        "the writer reads no outbox row: {read:?}"
+    );
+
+    // The relay.
+    let relay_pool = roles.pool(&roles.relay).await?;
+    let relay = Relay::new(
+        relay_pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default(),
+    )?;
+    while relay.run_once().await?.claimed > 0 {}
+    let published: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE status = 'published'")
+            .fetch_one(&owner)
+            .await?;
+    assert_eq!(published, 3);
+    let deleted = sqlx::query("DELETE FROM outbox_events")
+        .execute(&relay_pool)
+        .await;
+    assert!(
+        deleted.as_ref().is_err_and(insufficient_privilege),
+        "the relay deletes nothing without AfterPublish::Delete's grant: {deleted:?}"
+    );
+
+    // The consumer, twice: the second, with no cache, meets every dedup row.
+    let consumer_pool = roles.pool(&roles.consumer).await?;
+    let config = || ConsumerConfig::new("billing").dedup_ttl(WEEK);
+    let first = DedupConsumer::new(consumer_pool.clone(), config(), record)?;
+    consume_until(
+        &first,
+        &topic,
+        || first.stats().processed == 3,
+        "the consumer handles every event",
+    )
+    .await?;
+    let second = DedupConsumer::new(consumer_pool.clone(), config(), record)?;
+    consume_until(
+        &second,
+        &topic,
+        || second.stats().duplicates_stored == 3,
+        "a redelivery finds every event recorded",
+    )
+    .await?;
+    assert_eq!(effects(&owner).await?, (3, 3), "once per event");
+    assert_eq!(
+        first.stats().handler_errors + second.stats().handler_errors,
+        0
+    );
+    let yesterday = dedup_slice(ids[1].as_uuid());
+    assert_eq!(
+        dedup_row(&owner, ids[0]).await?,
+        (format!("outbox_consumer_dedup_d{today}"), today)
+    );
+    assert_eq!(
+        dedup_row(&owner, ids[1]).await?,
+        ("outbox_consumer_dedup_timeless".to_owned(), -yesterday),
+        "yesterday had no slice: its id is in the timeless slice, under -day"
+    );
+    assert!(!slice_exists(&owner, yesterday).await?);
+    // It reached today's slice, made after the grants, through the dedup table only.
+    let direct = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM outbox_consumer_dedup_d{today}"
+    )))
+    .execute(&consumer_pool)
+    .await;
+    assert!(
+        direct.as_ref().is_err_and(insufficient_privilege),
+        "no grant on the slice itself: {direct:?}"
+    );
+    let detach = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE outbox_consumer_dedup DETACH PARTITION outbox_consumer_dedup_d{today}"
+    )))
+    .execute(&consumer_pool)
+    .await;
+    assert!(
+        detach.as_ref().is_err_and(insufficient_privilege),
+        "the consumer cannot detach a slice: {detach:?}"
+    );
+    let pruned = outbox_consumer::prune(
+        &mut *consumer_pool.acquire().await?,
+        &TableNames::default(),
+        WEEK,
+        100,
+    )
+    .await;
+    assert!(
+        matches!(&pruned, Err(outbox_consumer::ConsumerError::Database(e)) if insufficient_privilege(e)),
+        "the consumer cannot prune: {pruned:?}"
+    );
+
+    // The pruner: the owner.
+    let pruned = outbox_consumer::prune(&mut conn, &TableNames::default(), WEEK, 100).await?;
+    assert_eq!(
+        pruned.slices_made,
+        outbox_consumer::SLICES_AHEAD as u64,
+        "tomorrow to a week ahead; none for yesterday, whose ids are in the timeless slice"
+    );
+    assert!(!slice_exists(&owner, yesterday).await?);
+    assert!(slice_exists(&owner, today + outbox_consumer::SLICES_AHEAD).await?);
+    // A consumer that may make slices (the owner's) meets yesterday again: it makes no slice,
+    // and finds the id where the first one put it.
+    let as_owner = DedupConsumer::new(owner.clone(), config(), record)?;
+    let again = event_message(&topic, 10, ids[1], r#"{"n":1}"#);
+    assert_eq!(
+        as_owner.process(&again, &CancellationToken::new()).await?,
+        Outcome::DuplicateStored
+    );
+    assert!(!slice_exists(&owner, yesterday).await?);
+    assert_eq!(effects(&owner).await?, (3, 3));
+
+    // Poison goes to the quarantine (INSERT only, with its ON CONFLICT .. DO NOTHING).
+    let poison = event_message(&topic, 11, decided(0), "not json");
+    let quarantined = second.process(&poison, &CancellationToken::new()).await?;
+    assert!(
+        matches!(quarantined, Outcome::Quarantined(_)),
+        "{quarantined:?}"
+    );
+    assert_eq!(
+        second.process(&poison, &CancellationToken::new()).await?,
+        quarantined
+    );
+
+    // The documented grants less one essential privilege fail: the test is not vacuous.
+    let (writer_name, relay_name) = (&roles.writer.name, &roles.relay.name);
+    roles
+        .as_admin(&format!(
+            "REVOKE INSERT ON {0}.outbox_events FROM {writer_name}; \
+             REVOKE UPDATE ON {0}.outbox_events FROM {relay_name}",
+            roles.schema
+        ))
+        .await?;
+    let event =
+        NewEvent::new("agent", "a1", "Step", &serde_json::json!({ "n": 2 }))?.with_topic(&topic)?;
+    let enqueued = outbox_producer::enqueue(&mut *writer.acquire().await?, &event).await;
+    assert!(
+        enqueued
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("permission denied")),
+        "the writer enqueued without INSERT: {enqueued:?}"
+    );
+    let claimed = relay.run_once().await;
+    assert!(
+        claimed
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("permission denied")),
+        "the relay claimed without UPDATE: {claimed:?}"
+    );
+
+    drop(conn);
+    for pool in [owner, writer, relay_pool, consumer_pool] {
+        pool.close().await;
+    }
+    roles.drop_all().await
+}
+
+/// Lets the test hold a handler's transaction open: it says when it is inside, and waits.
+struct Gate {
+    inside: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+fn gate() -> &'static Gate {
+    static GATE: std::sync::OnceLock<Gate> = std::sync::OnceLock::new();
+    GATE.get_or_init(|| Gate {
+        inside: tokio::sync::Notify::new(),
+        release: tokio::sync::Notify::new(),
+    })
+}
+
+async fn record_when_released(
+    event: &Event<Step>,
+    conn: &mut PgConnection,
+) -> Result<(), sqlx::Error> {
+    record(event, conn).await?;
+    gate().inside.notify_one();
+    gate().release.notified().await;
+    Ok(())
+}
+
+/// A day's ids are never split between its slice and its fallback: while a consumer that may
+/// not make slices records an id of a day without one in the timeless slice, the owner's job
+/// making that day's slice waits for it (the fallback lock), then sees the fallback row and
+/// makes no slice. A redelivery, alone and in a batch, is a duplicate; a later id of that day
+/// goes to the fallback too, and its redelivery is found there. Without the lock, the slice
+/// would be made under the open transaction and a redelivery would go to it: a second effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_makes_no_slice_for_a_day_a_consumer_fell_back_on() -> Result<()> {
+    let roles = Roles::new().await?;
+    let owner = roles.pool(&roles.owner).await?;
+    effects_table(&roles, &owner).await?;
+    let consumer_pool = roles.pool(&roles.consumer).await?;
+    let config = || ConsumerConfig::new("billing").dedup_ttl(WEEK);
+    let held = DedupConsumer::new(consumer_pool.clone(), config(), record_when_released)?;
+    let (id, later) = (decided(-2), decided(-2));
+    let day = dedup_slice(id.as_uuid());
+    let message = |offset, id| event_message("t", offset, id, r#"{"n":1}"#);
+    let handling = tokio::spawn({
+        let message = message(0, id);
+        async move { held.process(&message, &CancellationToken::new()).await }
+    });
+    tokio::time::timeout(Duration::from_secs(60), gate().inside.notified())
+        .await
+        .map_err(|_| anyhow::anyhow!("the handler never ran"))?;
+    let making = tokio::spawn({
+        let owner = owner.clone();
+        async move {
+            let mut conn = owner.acquire().await?;
+            outbox_consumer::ensure_dedup_slices(&mut conn, &TableNames::default(), [day]).await
+        }
+    });
+    eventually(
+        "the owner's job waits for the fallback lock",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND NOT l.granted AND a.usename = $1",
+            )
+            .bind(&roles.owner.name)
+            .fetch_one(&owner)
+            .await?;
+            Ok(waiting == 1)
+        },
+    )
+    .await?;
+    gate().release.notify_one();
+    assert_eq!(handling.await??, Outcome::Processed);
+    assert_eq!(
+        making.await??,
+        0,
+        "no slice made for a day with fallback rows"
+    );
+    assert!(!slice_exists(&owner, day).await?);
+
+    let c = DedupConsumer::new(consumer_pool.clone(), config(), record)?;
+    let none = CancellationToken::new();
+    assert_eq!(
+        c.process(&message(1, later), &none).await?,
+        Outcome::Processed
+    );
+    let fresh = DedupConsumer::new(consumer_pool.clone(), config(), record)?;
+    assert_eq!(
+        fresh.process(&message(2, id), &none).await?,
+        Outcome::DuplicateStored
+    );
+    let fresh = DedupConsumer::new(consumer_pool.clone(), config(), record)?;
+    let batch = fresh
+        .process_batch(&[message(3, id), message(4, later)], &none)
+        .await?;
+    assert_eq!(batch, vec![Outcome::DuplicateStored; 2]);
+    assert_eq!(effects(&owner).await?, (2, 2), "once per event");
+    for event in [id, later] {
+        assert_eq!(
+            dedup_row(&owner, event).await?,
+            ("outbox_consumer_dedup_timeless".to_owned(), -day)
+        );
+    }
+    for pool in [owner, consumer_pool] {
+        pool.close().await;
+    }
+    roles.drop_all().await
+}

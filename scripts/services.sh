@@ -106,8 +106,10 @@ start_kafka() {
   if port_open "$KAFKA_PORT" && ! port_open $((KAFKA_PORT + 3)) && [ -s "$dir/pid" ]; then
     # Started by an earlier version of this script, without the secured listeners.
     log "restarting the test broker to add its TLS listeners"
-    kill "$(cat "$dir/pid")" 2>/dev/null || true
-    wait_for "the test broker to stop" 60 port_closed "$KAFKA_PORT"
+    local old
+    old="$(cat "$dir/pid")"
+    kill "$old" 2>/dev/null || true
+    wait_for "the test broker to stop" 120 pid_gone "$old"
   fi
   if ! port_open "$KAFKA_PORT"; then
     mkdir -p "$dir"
@@ -121,10 +123,11 @@ start_kafka() {
   ensure_scram_user
 }
 
-port_closed() { ! port_open "$1"; }
+pid_gone() { ! kill -0 "$1" 2>/dev/null; }
 
-# Creates (or updates) the SCRAM-SHA-512 user with Kafka's own ConfigCommand, through the
-# plaintext listener; the password goes through a file, never the command line.
+# Creates (or updates) the SCRAM-SHA-512 user through Kafka's Admin API
+# (services/kafka/ScramUser.java), through the plaintext listener; the password goes through a
+# file, never a command line.
 ensure_scram_user() {
   local password_file="$OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE" marker="$SERVICES_DIR/kafka/scram.applied"
   if [ ! -s "$password_file" ]; then
@@ -134,18 +137,10 @@ ensure_scram_user() {
     && [ "$marker" -nt "$SERVICES_DIR/kafka/cluster.id" ]; then
     return 0
   fi
-  local config
-  config="$(umask 077 && mktemp)"
-  printf 'SCRAM-SHA-512=[iterations=8192,password=%s]\n' "$(cat "$password_file")" >"$config"
   log "creating the SCRAM-SHA-512 user $OUTBOX_TEST_KAFKA_SCRAM_USER on the test broker"
-  if ! java -Dlog4j2.configurationFile="$ROOT/services/kafka/log4j2.properties" \
-    -cp "$(cat "$OUTBOX_KAFKA_CLASSPATH_FILE")" kafka.admin.ConfigCommand \
-    --bootstrap-server "127.0.0.1:$KAFKA_PORT" --alter --entity-type users \
-    --entity-name "$OUTBOX_TEST_KAFKA_SCRAM_USER" --add-config-file "$config" >/dev/null; then
-    rm -f "$config"
-    return 1
-  fi
-  rm -f "$config"
+  java -Dlog4j2.configurationFile="$ROOT/services/kafka/log4j2.properties" \
+    -cp "$(cat "$OUTBOX_KAFKA_CLASSPATH_FILE")" "$ROOT/services/kafka/ScramUser.java" \
+    "127.0.0.1:$KAFKA_PORT" "$OUTBOX_TEST_KAFKA_SCRAM_USER" "$password_file" >/dev/null
   touch "$marker"
 }
 

@@ -15,7 +15,7 @@ KAFKA_PORT="${KAFKA_PORT:-9092}"
 CONNECT_PORT="${CONNECT_PORT:-8083}"
 export OUTBOX_TEST_KAFKA="${OUTBOX_TEST_KAFKA:-127.0.0.1:$KAFKA_PORT}"
 export OUTBOX_TEST_CONNECT="${OUTBOX_TEST_CONNECT:-http://127.0.0.1:$CONNECT_PORT}"
-export OUTBOX_KAFKA_CLASSPATH_FILE="$SERVICES_DIR/kafka.classpath"
+export OUTBOX_TEST_KAFKA_CLASSPATH_FILE="$SERVICES_DIR/kafka.classpath"
 # The test broker's secured listeners (scripts/kafka-node), the certificates they serve
 # (scripts/tls.sh) and the SCRAM user the scripts create on it.
 export OUTBOX_TEST_KAFKA_SASL_SSL="${OUTBOX_TEST_KAFKA_SASL_SSL:-127.0.0.1:$((KAFKA_PORT + 2))}"
@@ -139,7 +139,7 @@ ensure_scram_user() {
   fi
   log "creating the SCRAM-SHA-512 user $OUTBOX_TEST_KAFKA_SCRAM_USER on the test broker"
   java -Dlog4j2.configurationFile="$ROOT/services/kafka/log4j2.properties" \
-    -cp "$(cat "$OUTBOX_KAFKA_CLASSPATH_FILE")" "$ROOT/services/kafka/ScramUser.java" \
+    -cp "$(cat "$OUTBOX_TEST_KAFKA_CLASSPATH_FILE")" "$ROOT/services/kafka/ScramUser.java" \
     "127.0.0.1:$KAFKA_PORT" "$OUTBOX_TEST_KAFKA_SCRAM_USER" "$password_file" >/dev/null
   touch "$marker"
 }

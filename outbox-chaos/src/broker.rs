@@ -126,13 +126,13 @@ impl Broker {
     /// the quorum is started).
     pub(crate) fn start(spec: NodeSpec) -> Result<Self> {
         let root = repo_root();
-        let classpath_file = std::env::var_os("OUTBOX_KAFKA_CLASSPATH_FILE")
+        let classpath_file = std::env::var_os("OUTBOX_TEST_KAFKA_CLASSPATH_FILE")
             .map_or_else(|| root.join(".services/kafka.classpath"), PathBuf::from);
         let has_classpath = std::fs::metadata(&classpath_file).is_ok_and(|m| m.len() > 0);
         if !has_classpath {
             bail!(
                 "no Kafka classpath at {} (run `source scripts/services.sh && resolve_jars kafka` \
-                 first, or set OUTBOX_KAFKA_CLASSPATH_FILE)",
+                 first, or set OUTBOX_TEST_KAFKA_CLASSPATH_FILE)",
                 classpath_file.display()
             );
         }
@@ -194,7 +194,7 @@ impl Broker {
                 &self.cluster_id,
                 &self.replication.to_string(),
             ])
-            .env("OUTBOX_KAFKA_CLASSPATH_FILE", &self.classpath_file)
+            .env("OUTBOX_TEST_KAFKA_CLASSPATH_FILE", &self.classpath_file)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

@@ -44,7 +44,7 @@
 //! its end until everything committed by then has flowed, against a bound. The `long`
 //! profile's first run ends with the same phase, held longer.
 //! The broker's jars come from `scripts/services.sh` (`resolve_jars kafka`), found through
-//! `OUTBOX_KAFKA_CLASSPATH_FILE` (default `.services/kafka.classpath` in the repository).
+//! `OUTBOX_TEST_KAFKA_CLASSPATH_FILE` (default `.services/kafka.classpath` in the repository).
 //! The child roles (`producer`, `relay`, `consumer`) are internal: the orchestrator spawns
 //! them from its own executable.
 

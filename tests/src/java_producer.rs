@@ -23,10 +23,10 @@ pub struct JavaRecord {
     pub value: String,
 }
 
-/// The Kafka jars' classpath file: `OUTBOX_KAFKA_CLASSPATH_FILE`, or the one
+/// The Kafka jars' classpath file: `OUTBOX_TEST_KAFKA_CLASSPATH_FILE`, or the one
 /// `scripts/services.sh` writes.
 fn classpath() -> Result<String> {
-    let file = std::env::var_os("OUTBOX_KAFKA_CLASSPATH_FILE").map_or_else(
+    let file = std::env::var_os("OUTBOX_TEST_KAFKA_CLASSPATH_FILE").map_or_else(
         || {
             PathBuf::from(concat!(
                 env!("CARGO_MANIFEST_DIR"),
@@ -37,7 +37,7 @@ fn classpath() -> Result<String> {
     );
     let classpath = std::fs::read_to_string(&file).with_context(|| {
         format!(
-            "reading the Kafka classpath {} (set OUTBOX_KAFKA_CLASSPATH_FILE)",
+            "reading the Kafka classpath {} (set OUTBOX_TEST_KAFKA_CLASSPATH_FILE)",
             file.display()
         )
     })?;

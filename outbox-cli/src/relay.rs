@@ -5,10 +5,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use outbox_core::TableNames;
-use outbox_core::kafka_secrets;
 use outbox_producer::{AfterPublish, QuarantinePolicy, Relay, RelayConfig, producer_config};
 use rdkafka::ClientConfig;
-use rdkafka::producer::{BaseProducer, Producer};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -81,14 +79,14 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
     Ok(())
 }
 
-/// Fails fast, naming the address, when no broker answers (or the TLS handshake or SASL
-/// authentication fails, which librdkafka logs): librdkafka would otherwise retry quietly and
-/// the relay would only log failed batches.
+/// Fails fast, naming the address and what failed (no broker answering, a refused password,
+/// an untrusted certificate: `check_connection`'s words, with no secret in them): librdkafka
+/// would otherwise retry quietly and the relay would only log failed batches.
 async fn check_brokers(kafka: &ClientConfig, brokers: &str, timeout: Duration) -> Result<()> {
-    let probe: BaseProducer = kafka_secrets::create(kafka)?;
-    tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, timeout))
+    let kafka = kafka.clone();
+    tokio::task::spawn_blocking(move || outbox_core::check_connection(&kafka, timeout))
         .await?
-        .with_context(|| format!("cannot reach the Kafka brokers at {brokers}"))?;
+        .with_context(|| format!("cannot use the Kafka brokers at {brokers}"))?;
     Ok(())
 }
 

@@ -412,7 +412,7 @@ async fn relay_names_unreachable_brokers_instead_of_retrying_silently() -> Resul
     )?;
     assert!(!ok);
     assert!(
-        stderr.contains("cannot reach the Kafka brokers at 127.0.0.1:1"),
+        stderr.contains("cannot use the Kafka brokers at 127.0.0.1:1"),
         "{stderr}"
     );
     Ok(())
@@ -622,7 +622,7 @@ async fn relay_kafka_settings_apply_file_then_environment_then_brokers_then_x() 
         let (ok, _, stderr) = outbox_with(&db, &all, env)?;
         assert!(!ok);
         assert!(
-            stderr.contains(&format!("cannot reach the Kafka brokers at {address}")),
+            stderr.contains(&format!("cannot use the Kafka brokers at {address}")),
             "{args:?} {env:?}: {stderr}"
         );
         Ok(())
@@ -856,5 +856,136 @@ async fn quarantine_listings_escape_what_records_carry() -> Result<()> {
             .await?;
     assert_eq!(stored.0, hostile.as_bytes());
     assert_eq!(stored.1, format!("not a uuid: {hostile}"));
+    Ok(())
+}
+
+/// A properties file for the test broker's SASL_SSL (SCRAM-SHA-512) or mTLS listener, its
+/// secrets read from files (`file:`), as a production file would hold them.
+fn secure_properties(kafka: &outbox_tests::SecureKafka, mtls: bool) -> Result<TempFile> {
+    let ca = kafka.tls_file("ca.pem");
+    let text = if mtls {
+        format!(
+            "bootstrap.servers={}\nsecurity.protocol=SSL\nssl.ca.location={ca}\n\
+             ssl.certificate.location={}\nssl.key.location={}\nssl.key.password=file:{}\n",
+            kafka.mtls,
+            kafka.tls_file("client.pem"),
+            kafka.tls_file("client.key"),
+            kafka.tls_file("client.key.password"),
+        )
+    } else {
+        format!(
+            "bootstrap.servers={}\nsecurity.protocol=SASL_SSL\nsasl.mechanisms=SCRAM-SHA-512\n\
+             sasl.username={}\nsasl.password=file:{}\nssl.ca.location={ca}\n",
+            kafka.sasl_ssl,
+            kafka.user,
+            std::env::var("OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE")?,
+        )
+    };
+    TempFile::new(&text)
+}
+
+/// `outbox relay` and `outbox quarantine requeue` publish through SASL_SSL with SCRAM and
+/// through mTLS, configured by a file whose secrets come from files.
+#[tokio::test]
+async fn relay_and_requeue_work_over_sasl_ssl_and_mutual_tls() -> Result<()> {
+    let kafka = outbox_tests::SecureKafka::from_env()?;
+    for mtls in [false, true] {
+        let db = TestDb::new().await?;
+        let topic = outbox_tests::random_topic(1).await?;
+        let file = secure_properties(&kafka, mtls)?;
+        let mut relay = KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_outbox"))
+                .args(["relay", "--poll-interval", "100ms", "-F", file.path()])
+                .env("DATABASE_URL", schema_url(&db))
+                .env_remove("KAFKA_BROKERS")
+                .spawn()?,
+        );
+        let event = outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?
+            .with_topic(&topic)?;
+        let mut tx = db.pool.begin().await?;
+        outbox_producer::enqueue(&mut tx, &event).await?;
+        tx.commit().await?;
+        outbox_tests::eventually(
+            "the relay process publishes",
+            std::time::Duration::from_secs(30),
+            || async { Ok(outbox_tests::count_status(&db.pool, "published").await? == 1) },
+        )
+        .await?;
+        let status = Command::new("kill")
+            .args(["-TERM", &relay.0.id().to_string()])
+            .status()?;
+        assert!(status.success());
+        assert!(relay.0.wait()?.success());
+
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
+             VALUES ('billing', $1, 0, 7, 'k2'::bytea, '{broken'::bytea, '{}', 'invalid_id', 'not a uuid') RETURNING id",
+        )
+        .bind(&topic)
+        .fetch_one(&db.pool)
+        .await?;
+        let (ok, stdout, stderr) = outbox(
+            &db,
+            &[
+                "quarantine",
+                "requeue",
+                "consumer",
+                &id.to_string(),
+                "-F",
+                file.path(),
+            ],
+        )?;
+        assert!(ok, "mtls {mtls}: {stderr}");
+        assert_eq!(stdout.trim(), "requeued 1 messages");
+        let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+        let keys: Vec<&str> = records.iter().map(|r| r.key.as_str()).collect();
+        assert_eq!(keys, ["k", "k2"], "mtls {mtls}");
+    }
+    Ok(())
+}
+
+/// A wrong password or an untrusted broker certificate stops `outbox relay` at once, naming
+/// what failed, with no secret in its words.
+#[tokio::test]
+async fn relay_names_a_wrong_password_and_an_untrusted_certificate() -> Result<()> {
+    let kafka = outbox_tests::SecureKafka::from_env()?;
+    let db = TestDb::new().await?;
+    let wrong = secret();
+    let wrong_password = TempFile::new(&format!(
+        "bootstrap.servers={}\nsecurity.protocol=SASL_SSL\nsasl.mechanisms=SCRAM-SHA-512\n\
+         sasl.username={}\nsasl.password={wrong}\nssl.ca.location={}\n",
+        kafka.sasl_ssl,
+        kafka.user,
+        kafka.tls_file("ca.pem"),
+    ))?;
+    let untrusted = TempFile::new(&format!(
+        "bootstrap.servers={}\nsecurity.protocol=SASL_SSL\nsasl.mechanisms=SCRAM-SHA-512\n\
+         sasl.username={}\nsasl.password=file:{}\nssl.ca.location={}\n",
+        kafka.sasl_ssl,
+        kafka.user,
+        std::env::var("OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE")?,
+        kafka.tls_file("rogue-ca.pem"),
+    ))?;
+    for (file, expected) in [
+        (
+            &wrong_password,
+            "the cluster refused the client's credentials",
+        ),
+        (&untrusted, "certificate verify failed"),
+    ] {
+        let (ok, stdout, stderr) = outbox(
+            &db,
+            &["relay", "-F", file.path(), "--connect-timeout", "5s"],
+        )?;
+        assert!(!ok, "{stdout}");
+        assert!(
+            stderr.contains("cannot use the Kafka brokers at") && stderr.contains(expected),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains(&wrong) && !stderr.contains(&kafka.password),
+            "{stderr}"
+        );
+    }
     Ok(())
 }

@@ -270,8 +270,8 @@ async fn bulk_actions_need_yes_when_stdin_is_not_a_terminal() -> Result<()> {
     Ok(())
 }
 
-/// A role of its own for the test, with what an operator needs on the test's schema; dropped
-/// when it goes out of scope.
+/// A role of its own for the test, with what the README grants an operator on the test's
+/// schema (no SELECT on the audit); dropped when it goes out of scope.
 struct Operator {
     name: String,
 }
@@ -285,7 +285,7 @@ impl Operator {
              GRANT USAGE ON SCHEMA {schema} TO {name}; \
              GRANT SELECT, UPDATE, DELETE ON outbox_events, outbox_consumer_quarantine TO {name}; \
              GRANT SELECT ON outbox_quarantine_tables TO {name}; \
-             GRANT SELECT, INSERT ON outbox_quarantine_audit TO {name}"
+             GRANT INSERT ON outbox_quarantine_audit TO {name}"
         )))
         .execute(&db.pool)
         .await?;
@@ -560,5 +560,248 @@ async fn a_terminal_is_asked_before_a_bulk_discard() -> Result<()> {
     assert!(ok, "{shown}");
     assert!(shown.contains("discarded 2 messages"), "{shown}");
     assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 0);
+    Ok(())
+}
+
+/// The audit's trigger stamps the server's time whatever the inserting session's
+/// `search_path` puts before `pg_catalog`: an `evil.now()` there is not called.
+#[tokio::test]
+async fn the_audit_time_cannot_be_forged_through_the_search_path() -> Result<()> {
+    let db = TestDb::new().await?;
+    let evil = format!("{}_evil", db.schema);
+    let schema = &db.schema;
+    let mut conn = db.pool.acquire().await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA {evil}; \
+         CREATE FUNCTION {evil}.now() RETURNS timestamptz LANGUAGE sql \
+             AS $$ SELECT '2000-01-01'::timestamptz $$; \
+         SET search_path = {evil}, pg_catalog, {schema}"
+    )))
+    .execute(&mut *conn)
+    .await?;
+    let forged: bool = sqlx::query_scalar(
+        "INSERT INTO outbox_quarantine_audit \
+            (action, side, table_name, row_ids, event_ids, consumers) \
+         VALUES ('discard', 'relay', 'x', '{}', '{}', '{}') \
+         RETURNING at < pg_catalog.now() - interval '1 year'",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "RESET search_path; DROP SCHEMA {evil} CASCADE"
+    )))
+    .execute(&mut *conn)
+    .await?;
+    assert!(!forged, "the audit took the session's now()");
+    Ok(())
+}
+
+/// A registry row outlives its table, and its oid can come back (oid wraparound, a dump that
+/// writes a dangling regclass as a number): a user table that got the oid is no quarantine.
+#[tokio::test]
+async fn a_registered_oid_that_now_names_another_table_is_refused() -> Result<()> {
+    let db = TestDb::new().await?;
+    invoices(&db).await?;
+    // As a restore leaves it: the quarantine's row, now with the oid of the user's table.
+    sqlx::query(
+        "UPDATE outbox_quarantine_tables SET table_oid = 'invoices'::regclass::oid \
+         WHERE table_oid = 'outbox_consumer_quarantine'::regclass",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, stdout, stderr) = outbox(
+        &db,
+        &[
+            "quarantine",
+            "discard",
+            "consumer",
+            "1",
+            "--quarantine-table",
+            "invoices",
+        ],
+    )?;
+    assert!(!ok, "{stdout}");
+    assert!(stderr.contains("not a quarantine table"), "{stderr}");
+    assert_eq!(count(&db, "invoices").await?, 3);
+    Ok(())
+}
+
+/// A second migration set (custom names) in the same schema, owned by another role, migrates:
+/// the shared trigger and function are the first set's, and are left alone.
+#[tokio::test]
+async fn a_second_migration_set_owned_by_another_role_migrates() -> Result<()> {
+    let db = TestDb::new().await?;
+    let owner = outbox_tests::unique("owner");
+    let schema = &db.schema;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {owner} NOLOGIN; \
+         GRANT USAGE, CREATE ON SCHEMA {schema} TO {owner}; \
+         GRANT SELECT, INSERT ON outbox_quarantine_tables TO {owner}"
+    )))
+    .execute(&db.pool)
+    .await?;
+    let url = format!("{}%20-c%20role%3D{owner}", db.url());
+    let migrated = run(
+        &url,
+        &[
+            "--outbox-table",
+            "second_outbox",
+            "--quarantine-table",
+            "second_quarantine",
+            "--dedup-table",
+            "second_dedup",
+            "migrate",
+        ],
+        "",
+    );
+    let registered: Vec<(String, String)> =
+        sqlx::query_as("SELECT relname::text, side FROM outbox_quarantine_tables ORDER BY relname")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap_or_default();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP OWNED BY {owner}; DROP ROLE {owner}"
+    )))
+    .execute(&db.pool)
+    .await?;
+    let (ok, _, stderr) = migrated?;
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        registered,
+        [
+            ("outbox_consumer_quarantine", "consumer"),
+            ("outbox_events", "relay"),
+            ("second_outbox", "relay"),
+            ("second_quarantine", "consumer"),
+        ]
+        .map(|(t, s)| (t.to_owned(), s.to_owned()))
+    );
+    Ok(())
+}
+
+/// Two consumer messages quarantined by `billing`, to be requeued to `topic`; their ids.
+async fn requeueable(db: &TestDb, topic: &str) -> Result<Vec<i64>> {
+    Ok(sqlx::query_scalar(
+        "INSERT INTO outbox_consumer_quarantine \
+            (consumer, topic, partition, \"offset\", event_id, payload, reason, error) \
+         SELECT 'billing', $1, 0, g, gen_random_uuid(), 'p'::bytea, 'handler_failed', 'e' \
+         FROM generate_series(1, 2) AS g RETURNING id",
+    )
+    .bind(topic)
+    .fetch_all(&db.pool)
+    .await?)
+}
+
+/// Operator A asks to requeue two messages; while A's prompt waits, B discards one. A's "y"
+/// must not publish the discarded message again, nor audit a requeue of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_discarded_while_a_requeue_asks_is_not_published() -> Result<()> {
+    use std::io::Read;
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let ids = requeueable(&db, &topic).await?;
+    let command = format!(
+        "'{}' quarantine requeue consumer {} {} --brokers {}",
+        env!("CARGO_BIN_EXE_outbox"),
+        ids[0],
+        ids[1],
+        outbox_tests::kafka_bootstrap()
+    );
+    let mut child = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("DATABASE_URL", db.url())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut shown = Vec::new();
+    while !String::from_utf8_lossy(&shown).contains("[y/N]") {
+        let chunk = rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert!(
+            chunk.is_ok(),
+            "no prompt: {}",
+            String::from_utf8_lossy(&shown)
+        );
+        shown.extend(chunk.unwrap_or_default());
+    }
+    let (ok, _, stderr) = outbox(
+        &db,
+        &["quarantine", "discard", "consumer", &ids[1].to_string()],
+    )?;
+    assert!(ok, "{stderr}");
+    child.stdin.take().expect("piped").write_all(b"y\n")?;
+    let status = child.wait()?;
+    reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    shown.extend(rx.try_iter().flatten());
+    let shown = String::from_utf8_lossy(&shown);
+    assert!(status.success(), "{shown}");
+    assert!(shown.contains("requeued 1 messages"), "{shown}");
+    assert!(
+        shown.contains(&format!("already gone: {}", ids[1])),
+        "{shown}"
+    );
+
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 1, "only the message still quarantined");
+    let audit: Vec<(String, Vec<i64>)> =
+        sqlx::query_as("SELECT action, row_ids FROM outbox_quarantine_audit ORDER BY at, id")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(
+        audit,
+        [
+            ("discard".to_owned(), vec![ids[1]]),
+            ("requeue".to_owned(), vec![ids[0]])
+        ]
+    );
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 0);
+    Ok(())
+}
+
+/// A message another session holds (another operator's requeue or discard in flight) is not
+/// published: the requeue says so and leaves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_publishes_nothing_for_a_message_another_action_holds() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let ids = requeueable(&db, &topic).await?;
+    let mut other = db.pool.begin().await?;
+    sqlx::query("SELECT id FROM outbox_consumer_quarantine WHERE id = $1 FOR UPDATE")
+        .bind(ids[0])
+        .execute(&mut *other)
+        .await?;
+    // Bounded, so that a requeue that waits for the lock fails rather than hangs.
+    let url = format!("{}%20-c%20lock_timeout%3D3s", db.url());
+    let (ok, stdout, stderr) = run(
+        &url,
+        &[
+            "quarantine",
+            "requeue",
+            "consumer",
+            &ids[0].to_string(),
+            "--brokers",
+            &outbox_tests::kafka_bootstrap(),
+        ],
+        "",
+    )?;
+    other.rollback().await?;
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 0, "nothing published: {stderr}");
+    assert!(!ok, "{stdout}");
+    assert!(stderr.contains("another session"), "{stderr}");
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
     Ok(())
 }

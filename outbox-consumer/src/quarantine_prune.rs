@@ -28,8 +28,7 @@ pub async fn prune_quarantine(
     batch: u32,
 ) -> Result<u64, ConsumerError> {
     let quarantine = quarantine(tables);
-    quarantine.verify(conn).await?;
-    let delete = quarantine.prune_statement("quarantined_at");
+    let delete = quarantine.prune_statement(conn, "quarantined_at").await?;
     Ok(
         outbox_core::delete_in_batches(
             conn,
@@ -56,13 +55,12 @@ pub async fn prune_quarantine_batch(
     from: Option<DateTime<Utc>>,
 ) -> Result<(u64, Option<DateTime<Utc>>), ConsumerError> {
     let quarantine = quarantine(tables);
-    quarantine.verify(conn).await?;
-    let (n, last): (i64, Option<DateTime<Utc>>) =
-        sqlx::query_as(AssertSqlSafe(quarantine.prune_statement("quarantined_at")))
-            .bind(older_than.as_secs_f64() * 1000.0)
-            .bind(i64::from(batch.max(1)))
-            .bind(from)
-            .fetch_one(conn)
-            .await?;
+    let delete = quarantine.prune_statement(conn, "quarantined_at").await?;
+    let (n, last): (i64, Option<DateTime<Utc>>) = sqlx::query_as(AssertSqlSafe(delete))
+        .bind(older_than.as_secs_f64() * 1000.0)
+        .bind(i64::from(batch.max(1)))
+        .bind(from)
+        .fetch_one(conn)
+        .await?;
     Ok((u64::try_from(n).unwrap_or(0), last))
 }

@@ -49,7 +49,7 @@ pub(crate) enum Action {
     List {
         side: Side,
         #[arg(long, default_value_t = 50)]
-        limit: i64,
+        limit: u32,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -89,7 +89,7 @@ pub(crate) enum Action {
     /// The newest requeues, discards and prunes: what, when, by which database role, why.
     Audit {
         #[arg(long, default_value_t = 50)]
-        limit: i64,
+        limit: u32,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -107,7 +107,9 @@ pub(crate) async fn run(
             limit,
             json,
         } => {
-            let rows = outbox_producer::quarantine::list_quarantined(conn, tables, limit).await?;
+            let rows =
+                outbox_producer::quarantine::list_quarantined(conn, tables, i64::from(limit))
+                    .await?;
             if json {
                 println!("{}", print::json(&rows, false)?);
             }
@@ -129,7 +131,9 @@ pub(crate) async fn run(
             limit,
             json,
         } => {
-            let rows = outbox_consumer::quarantine::list_quarantined(conn, tables, limit).await?;
+            let rows =
+                outbox_consumer::quarantine::list_quarantined(conn, tables, i64::from(limit))
+                    .await?;
             if json {
                 println!("{}", print::json(&rows, false)?);
             }
@@ -275,9 +279,9 @@ pub(crate) async fn run(
             println!("discarded {n} messages");
         }
         Action::Audit { limit, json } => {
-            let entries = outbox_core::quarantine_audit(conn, limit).await?;
+            let entries = outbox_core::quarantine_audit(conn, i64::from(limit)).await?;
             if json {
-                println!("{}", serde_json::to_string(&entries)?);
+                println!("{}", print::json(&entries, false)?);
             }
             for e in entries.iter().filter(|_| !json) {
                 let rows = e.row_ids.iter().map(i64::to_string).collect::<Vec<_>>();

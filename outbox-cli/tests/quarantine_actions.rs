@@ -462,6 +462,7 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
         std::time::Duration::from_secs(7 * 86_400),
         2,
         None,
+        None,
     )
     .await?;
     assert_eq!(n, 2);
@@ -483,6 +484,8 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
             "--batch",
             "2",
             "--yes",
+            "--reason",
+            "retention",
         ],
     )?;
     assert!(ok, "{stderr}");
@@ -505,6 +508,11 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
         batches.iter().all(|b| b.0 == "prune" && b.2["batch"] == 2),
         "{batches:?}"
     );
+    let reasons: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT reason FROM outbox_quarantine_audit")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(reasons, vec![Some("retention".to_owned()); 3]);
     let mut pruned: Vec<i64> = batches.into_iter().flat_map(|b| b.1).collect();
     pruned.sort_unstable();
     assert_eq!(pruned, old);
@@ -803,5 +811,47 @@ async fn a_requeue_publishes_nothing_for_a_message_another_action_holds() -> Res
     assert!(!ok, "{stdout}");
     assert!(stderr.contains("another session"), "{stderr}");
     assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
+    Ok(())
+}
+
+/// An action that finds none of its rows changes nothing and is no action: no audit row. And
+/// `audit` lists actions by the server's time, not by the row's id, which an insert can
+/// choose.
+#[tokio::test]
+async fn an_action_that_changes_nothing_is_not_audited_and_audit_goes_by_time() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = quarantine_messages(&db, &[1]).await?;
+    for side in ["relay", "consumer"] {
+        let (ok, stdout, stderr) = outbox(&db, &["quarantine", "discard", side, "999999"])?;
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains("discarded 0"), "{stdout}");
+    }
+    let (ok, _, stderr) = outbox(&db, &["quarantine", "requeue", "relay", "999999"])?;
+    assert!(ok, "{stderr}");
+    assert_eq!(count(&db, "outbox_quarantine_audit").await?, 0);
+
+    sqlx::query(
+        "INSERT INTO outbox_quarantine_audit \
+            (id, action, side, table_name, row_ids, event_ids, consumers) \
+         OVERRIDING SYSTEM VALUE VALUES (1000000, 'discard', 'relay', 'forged', '{}', '{}', '{}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, _, stderr) = outbox(
+        &db,
+        &["quarantine", "discard", "consumer", &ids[0].to_string()],
+    )?;
+    assert!(ok, "{stderr}");
+    let (ok, stdout, stderr) = outbox(&db, &["quarantine", "audit", "--limit", "1", "--json"])?;
+    assert!(ok, "{stderr}");
+    let newest: Vec<serde_json::Value> = serde_json::from_str(&stdout)?;
+    assert_eq!(newest.len(), 1);
+    assert_eq!(
+        newest[0]["row_ids"],
+        serde_json::json!([ids[0]]),
+        "{newest:?}"
+    );
+    let (ok, _, stderr) = outbox(&db, &["quarantine", "audit", "--limit=-1"])?;
+    assert!(!ok && stderr.contains("--limit"), "{stderr}");
     Ok(())
 }

@@ -26,9 +26,12 @@ pub async fn prune_quarantine(
     tables: &TableNames,
     older_than: Duration,
     batch: u32,
+    reason: Option<&str>,
 ) -> Result<u64, ConsumerError> {
     let quarantine = quarantine(tables);
-    let delete = quarantine.prune_statement(conn, "quarantined_at").await?;
+    let delete = quarantine
+        .prune_statement(conn, "quarantined_at", reason)
+        .await?;
     Ok(
         outbox_core::delete_in_batches(
             conn,
@@ -53,9 +56,12 @@ pub async fn prune_quarantine_batch(
     older_than: Duration,
     batch: u32,
     from: Option<DateTime<Utc>>,
+    reason: Option<&str>,
 ) -> Result<(u64, Option<DateTime<Utc>>), ConsumerError> {
     let quarantine = quarantine(tables);
-    let delete = quarantine.prune_statement(conn, "quarantined_at").await?;
+    let delete = quarantine
+        .prune_statement(conn, "quarantined_at", reason)
+        .await?;
     let (n, last): (i64, Option<DateTime<Utc>>) = sqlx::query_as(AssertSqlSafe(delete))
         .bind(older_than.as_secs_f64() * 1000.0)
         .bind(i64::from(batch.max(1)))

@@ -382,19 +382,22 @@ impl<'a> QuarantineTable<'a> {
     /// Checks the table ([`Self::verify`]), and returns a statement for
     /// [`crate::delete_in_batches`] that deletes quarantined entries whose `time` column (a
     /// `timestamptz` with an index) is older than `$1` ms, `$2` at a time, from `$3` on, in
-    /// `time` order, and writes one audit row per batch that deleted any.
+    /// `time` order, and writes one audit row per batch that deleted any, with `reason`.
     pub async fn prune_statement(
         &self,
         conn: &mut PgConnection,
         time: &str,
+        reason: Option<&str>,
     ) -> Result<String, CoreError> {
         let Verified { name, schema } = self.verified(conn).await?;
         let QuarantineColumns { key, held, .. } = self.columns;
-        // The name stands in a literal: quoted by the server.
-        let literal: String = sqlx::query_scalar("SELECT quote_literal($1)")
-            .bind(&name)
-            .fetch_one(conn)
-            .await?;
+        // The name and reason stand in literals: quoted by the server.
+        let (literal, reason): (String, String) =
+            sqlx::query_as("SELECT quote_literal($1), quote_nullable($2)")
+                .bind(&name)
+                .bind(reason)
+                .fetch_one(conn)
+                .await?;
         Ok(format!(
             "WITH gone AS ( \
                 DELETE FROM {name} WHERE {key} IN ( \
@@ -413,7 +416,7 @@ impl<'a> QuarantineTable<'a> {
                 "'prune'",
                 &format!("'{}'", self.side.as_str()),
                 &literal,
-                "NULL",
+                &reason,
                 "jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint)",
             )
         ))

@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS outbox_quarantine_audit (
     -- Schema-qualified.
     table_name      TEXT        NOT NULL,
     -- The rows acted on (relay: `seq`; consumer: `id`), and their event ids, in the same
-    -- order (NULL where the consumer could not decode one).
+    -- order (NULL where the consumer could not decode one). Empty for a prune, whose detail
+    -- has the count and the range of ids and times instead.
     row_ids         BIGINT[]    NOT NULL,
     event_ids       UUID[]      NOT NULL,
     -- Consumer side: the consumers whose messages they were.
@@ -52,7 +53,8 @@ CREATE TABLE IF NOT EXISTS outbox_quarantine_audit (
     db_session_user TEXT        NOT NULL DEFAULT session_user,
     reason          TEXT,
     -- What else the action took: a requeue's `to_consumer` and where the copy went, a
-    -- prune's age and batch size.
+    -- prune's age, batch size, and the count, least and greatest id and time of what it
+    -- deleted.
     detail          JSONB       NOT NULL DEFAULT '{}'::jsonb
 );
 

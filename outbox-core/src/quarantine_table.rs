@@ -382,7 +382,9 @@ impl<'a> QuarantineTable<'a> {
     /// Checks the table ([`Self::verify`]), and returns a statement for
     /// [`crate::delete_in_batches`] that deletes quarantined entries whose `time` column (a
     /// `timestamptz` with an index) is older than `$1` ms, `$2` at a time, from `$3` on, in
-    /// `time` order, and writes one audit row per batch that deleted any, with `reason`.
+    /// `time` order, and writes one audit row per batch that deleted any, with `reason`. A
+    /// prune's audit row lists no ids (a flood of poison would double in the audit): its
+    /// detail has how many rows, their least and greatest key and `time`.
     pub async fn prune_statement(
         &self,
         conn: &mut PgConnection,
@@ -408,17 +410,16 @@ impl<'a> QuarantineTable<'a> {
                 {}, {time} AS at), \
              audit AS (INSERT INTO {schema}.outbox_quarantine_audit \
                  (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
-                 {} HAVING count(*) > 0) \
+                 SELECT 'prune', '{side}', {literal}, '{{}}', '{{}}', \
+                        coalesce(array_agg(DISTINCT consumer) FILTER (WHERE consumer IS NOT NULL), '{{}}'), \
+                        {reason}, \
+                        jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint, \
+                            'rows', count(*), 'first_row_id', min(row_id), 'last_row_id', max(row_id), \
+                            'first_at', min(at), 'last_at', max(at)) \
+                 FROM gone HAVING count(*) > 0) \
              SELECT count(*), max(at) FROM gone",
             self.returning(),
-            audit_select(
-                "gone",
-                "'prune'",
-                &format!("'{}'", self.side.as_str()),
-                &literal,
-                &reason,
-                "jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint)",
-            )
+            side = self.side.as_str(),
         ))
     }
 }

@@ -864,3 +864,105 @@ async fn an_action_that_changes_nothing_is_not_audited_and_audit_goes_by_time() 
     assert!(!ok && stderr.contains("--limit"), "{stderr}");
     Ok(())
 }
+
+/// A role that may not record the action publishes nothing: the privileges are checked before
+/// the copy is sent, not found missing after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_that_could_not_be_recorded_publishes_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let operator = Operator::new(&db).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "REVOKE INSERT ON outbox_quarantine_audit FROM {}",
+        operator.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let ids = requeueable(&db, &topic).await?;
+    let (ok, stdout, stderr) = run(
+        &operator.url(&db),
+        &[
+            "quarantine",
+            "requeue",
+            "consumer",
+            &ids[0].to_string(),
+            "--brokers",
+            &outbox_tests::kafka_bootstrap(),
+        ],
+        "",
+    )?;
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 0, "nothing published: {stderr}");
+    assert!(!ok, "{stdout}");
+    assert!(
+        stderr.contains("lacks INSERT on") && stderr.contains("outbox_quarantine_audit"),
+        "{stderr}"
+    );
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
+    Ok(())
+}
+
+/// The registry and the audit are those of the table's schema: a schema earlier on the
+/// `search_path` with a registry of its own cannot register a user's table.
+#[tokio::test]
+async fn a_registry_earlier_on_the_search_path_registers_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let schema = &db.schema;
+    let shadow = format!("{schema}_shadow");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE payments (id BIGINT PRIMARY KEY, event_id UUID, consumer TEXT); \
+         INSERT INTO payments VALUES (1, NULL, NULL); \
+         CREATE SCHEMA {shadow}; \
+         CREATE TABLE {shadow}.outbox_quarantine_tables \
+             (LIKE {schema}.outbox_quarantine_tables INCLUDING ALL); \
+         CREATE TABLE {shadow}.outbox_quarantine_audit \
+             (LIKE {schema}.outbox_quarantine_audit INCLUDING ALL)"
+    )))
+    .execute(&db.pool)
+    .await?;
+    // Written so that it reads as a registration in the old layout and in the new.
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_schema = $1 AND table_name = 'outbox_quarantine_tables'",
+    )
+    .bind(&shadow)
+    .fetch_all(&db.pool)
+    .await?;
+    let insert = if columns.iter().any(|c| c == "relname") {
+        format!(
+            "INSERT INTO {shadow}.outbox_quarantine_tables (table_oid, side, nspname, relname) \
+             VALUES ('payments'::regclass, 'consumer', '{schema}', 'payments')"
+        )
+    } else {
+        format!(
+            "INSERT INTO {shadow}.outbox_quarantine_tables (table_oid, side) \
+             VALUES ('payments'::regclass, 'consumer')"
+        )
+    };
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .execute(&db.pool)
+        .await?;
+    let url = format!(
+        "{}?options=-c%20search_path%3D{shadow}%2C{schema}",
+        outbox_tests::database_url()
+    );
+    let (ok, stdout, stderr) = run(
+        &url,
+        &[
+            "quarantine",
+            "discard",
+            "consumer",
+            "1",
+            "--quarantine-table",
+            "payments",
+        ],
+        "",
+    )?;
+    let left = count(&db, "payments").await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {shadow} CASCADE")))
+        .execute(&db.pool)
+        .await?;
+    assert_eq!(left?, 1, "the user's row deleted: {stdout}");
+    assert!(!ok && stderr.contains("not a quarantine table"), "{stderr}");
+    Ok(())
+}

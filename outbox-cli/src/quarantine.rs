@@ -382,7 +382,8 @@ fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table
     format!("{} rows of {table}{whose}", rows.len())
 }
 
-/// Text from the database as it may reach a terminal: control characters escaped.
+/// Text from the database as it may reach a terminal: control, invisible and
+/// direction-changing characters escaped, as in logs.
 pub(crate) fn shown(text: &str) -> String {
-    text.escape_debug().to_string()
+    escape(text).to_string()
 }

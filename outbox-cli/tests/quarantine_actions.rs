@@ -416,6 +416,21 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
         ok && stdout.lines().count() == 2 && stdout.contains("topic fixed, INC-7"),
         "{stdout}"
     );
+    // A reason is operator text, shown escaped like anything else from the database.
+    sqlx::query(
+        "UPDATE outbox_quarantine_audit SET reason = E'x\\n\\u001b[2J\\u202e\\u0085y' \
+         WHERE action = 'discard'",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "audit"])?;
+    assert!(ok && stdout.lines().count() == 2, "{stdout}");
+    assert!(stdout.contains(r"x\n\u{1b}[2J\u{202e}\u{85}y"), "{stdout}");
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "audit", "--json"])?;
+    assert!(
+        ok && !stdout.contains(['\u{202e}', '\u{85}']) && stdout.contains(r"\u202e"),
+        "{stdout}"
+    );
 
     // The time and roles are the server's, whatever an insert says.
     let stamped: (String, bool) = sqlx::query_as(

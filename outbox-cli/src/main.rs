@@ -83,6 +83,9 @@ enum Command {
         /// from cron).
         #[arg(long)]
         yes: bool,
+        /// `quarantine`: why, recorded with each batch in `outbox_quarantine_audit`.
+        #[arg(long)]
+        reason: Option<String>,
     },
     /// Inspect, requeue or discard quarantined entries.
     Quarantine {
@@ -177,7 +180,11 @@ async fn main() -> Result<()> {
             older_than,
             batch,
             yes,
+            reason,
         } => match what {
+            PruneTarget::Dedup | PruneTarget::Published if reason.is_some() => {
+                anyhow::bail!("--reason is recorded by `prune quarantine` only")
+            }
             PruneTarget::Dedup => {
                 let pruned = outbox_consumer::prune(&mut conn, &tables, older_than, batch).await?;
                 println!(
@@ -199,9 +206,14 @@ async fn main() -> Result<()> {
                     humantime::format_duration(older_than)
                 );
                 confirm::confirm(&what, yes)?;
-                let removed =
-                    outbox_consumer::prune_quarantine(&mut conn, &tables, older_than, batch)
-                        .await?;
+                let removed = outbox_consumer::prune_quarantine(
+                    &mut conn,
+                    &tables,
+                    older_than,
+                    batch,
+                    reason.as_deref(),
+                )
+                .await?;
                 println!("removed {removed} quarantined messages");
             }
         },

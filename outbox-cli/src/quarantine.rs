@@ -49,7 +49,7 @@ pub(crate) enum Action {
     List {
         side: Side,
         #[arg(long, default_value_t = 50)]
-        limit: i64,
+        limit: u32,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -89,7 +89,7 @@ pub(crate) enum Action {
     /// The newest requeues, discards and prunes: what, when, by which database role, why.
     Audit {
         #[arg(long, default_value_t = 50)]
-        limit: i64,
+        limit: u32,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -107,7 +107,9 @@ pub(crate) async fn run(
             limit,
             json,
         } => {
-            let rows = outbox_producer::quarantine::list_quarantined(conn, tables, limit).await?;
+            let rows =
+                outbox_producer::quarantine::list_quarantined(conn, tables, i64::from(limit))
+                    .await?;
             if json {
                 println!("{}", print::json(&rows, false)?);
             }
@@ -129,7 +131,9 @@ pub(crate) async fn run(
             limit,
             json,
         } => {
-            let rows = outbox_consumer::quarantine::list_quarantined(conn, tables, limit).await?;
+            let rows =
+                outbox_consumer::quarantine::list_quarantined(conn, tables, i64::from(limit))
+                    .await?;
             if json {
                 println!("{}", print::json(&rows, false)?);
             }
@@ -197,8 +201,9 @@ pub(crate) async fn run(
                 "--to-consumer takes a consumer name"
             );
             // Checked before anything is published: copies of a user table's rows must not
-            // reach a topic either.
+            // reach a topic either, nor copies of rows this role cannot remove and audit.
             let table = shown(&outbox_consumer::quarantine::verify(conn, tables).await?);
+            outbox_consumer::quarantine::check_requeue(conn, tables).await?;
             // A refused Kafka setting is told before any row is looked up.
             let producer: FutureProducer = outbox_core::kafka_secrets::create(&kafka)?;
             let rows = outbox_consumer::quarantine::get_quarantined(conn, tables, &ids).await?;
@@ -209,49 +214,39 @@ pub(crate) async fn run(
                 ids.len()
             );
             if rows.len() > 1 {
-                let what = format!("requeue {}", consumer_rows(&rows, &table));
+                let to = to_consumer
+                    .as_deref()
+                    .map(|c| format!(", to consumer {}", shown(c)))
+                    .unwrap_or_default();
+                let what = format!("requeue {}{to}", consumer_rows(&rows, &table));
                 confirm(&what, confirmation.yes)?;
             }
-            for r in &rows {
-                // For its consumer alone: every group reads the topic, and the others handled
-                // the original (their dedup rows for it are pruned in time).
-                let target = to_consumer.as_deref().unwrap_or(&r.consumer);
-                let for_target = OwnedHeaders::new().insert(Header {
-                    key: wire::HEADER_REQUEUE_FOR,
-                    value: Some(target),
-                });
-                let headers = r
-                    .record_headers()?
-                    .iter()
-                    .filter(|(key, _)| key != wire::HEADER_REQUEUE_FOR)
-                    .fold(for_target, |h, (key, value)| {
-                        h.insert(Header {
-                            key,
-                            value: value.as_deref(),
-                        })
-                    });
-                let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
-                    .partition(r.partition)
-                    .headers(headers);
-                if let Some(key) = &r.message_key {
-                    record = record.key(key);
-                }
-                if let Some(payload) = &r.payload {
-                    record = record.payload(payload);
-                }
-                let copy = producer
-                    .send(record, Duration::from_secs(30))
-                    .await
-                    .map_err(|(e, _)| e)?;
-                // Deleted only after the broker acknowledged the copy: at worst it is both
-                // republished and still listed, never lost.
-                let note = confirmation.note().detail("to_consumer", target).detail(
-                    "copy",
-                    serde_json::json!({ "topic": r.topic, "partition": copy.partition, "offset": copy.offset }),
-                );
-                outbox_consumer::quarantine::requeued(conn, tables, &[r.id], &note).await?;
+            let (mut requeued, mut gone) = (Vec::new(), Vec::new());
+            for id in rows.iter().map(|r| r.id) {
+                let copied = requeue_one(
+                    conn,
+                    tables,
+                    &producer,
+                    id,
+                    to_consumer.as_deref(),
+                    &confirmation,
+                )
+                .await
+                .with_context(|| {
+                    format!(
+                        "requeueing message {id} (requeued before it: {requeued:?}; already gone: {gone:?})"
+                    )
+                })?;
+                if copied { &mut requeued } else { &mut gone }.push(id);
             }
-            println!("requeued {} messages", rows.len());
+            println!("requeued {} messages", requeued.len());
+            if !gone.is_empty() {
+                let gone: Vec<String> = gone.iter().map(i64::to_string).collect();
+                println!(
+                    "already gone: {} (discarded or requeued by another action since they were read); nothing published for them",
+                    gone.join(", ")
+                );
+            }
         }
         Action::Discard {
             side: Side::Relay,
@@ -284,9 +279,9 @@ pub(crate) async fn run(
             println!("discarded {n} messages");
         }
         Action::Audit { limit, json } => {
-            let entries = outbox_core::quarantine_audit(conn, limit).await?;
+            let entries = outbox_core::quarantine_audit(conn, i64::from(limit)).await?;
             if json {
-                println!("{}", serde_json::to_string(&entries)?);
+                println!("{}", print::json(&entries, false)?);
             }
             for e in entries.iter().filter(|_| !json) {
                 let rows = e.row_ids.iter().map(i64::to_string).collect::<Vec<_>>();
@@ -310,6 +305,70 @@ pub(crate) async fn run(
     Ok(())
 }
 
+/// Publishes a copy of quarantined message `id` and deletes it, audited, in one transaction
+/// that holds the row from before it is read until after it is deleted: a concurrent requeue
+/// or discard of it either waits and finds it gone, or is refused at once. `false`: it was
+/// gone already, nothing published. A commit that fails after the broker took the copy leaves
+/// the message listed: a second requeue publishes it again (the consumer's dedup absorbs a
+/// copy whose event id it has handled).
+async fn requeue_one(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    producer: &FutureProducer,
+    id: i64,
+    to_consumer: Option<&str>,
+    confirmation: &Confirmation,
+) -> Result<bool> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let Some(r) = outbox_consumer::quarantine::claim(&mut tx, tables, id).await? else {
+        return Ok(false);
+    };
+    // For its consumer alone: every group reads the topic, and the others handled the
+    // original (their dedup rows for it are pruned in time).
+    let target = to_consumer.unwrap_or(&r.consumer);
+    let for_target = OwnedHeaders::new().insert(Header {
+        key: wire::HEADER_REQUEUE_FOR,
+        value: Some(target),
+    });
+    let headers = r
+        .record_headers()?
+        .iter()
+        .filter(|(key, _)| key != wire::HEADER_REQUEUE_FOR)
+        .fold(for_target, |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: value.as_deref(),
+            })
+        });
+    let mut record = FutureRecord::<[u8], [u8]>::to(&r.topic)
+        .partition(r.partition)
+        .headers(headers);
+    if let Some(key) = &r.message_key {
+        record = record.key(key);
+    }
+    if let Some(payload) = &r.payload {
+        record = record.payload(payload);
+    }
+    let copy = producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)?;
+    // Deleted only after the broker acknowledged the copy: at worst it is both republished
+    // and still listed, never lost.
+    let note = confirmation.note().detail("to_consumer", target).detail(
+        "copy",
+        serde_json::json!({ "topic": r.topic, "partition": copy.partition, "offset": copy.offset }),
+    );
+    let deleted = outbox_consumer::quarantine::requeued(&mut tx, tables, &[id], &note).await?;
+    // The row is locked: nothing else can have removed it.
+    ensure!(
+        deleted == 1,
+        "deleted {deleted} rows for message {id}, expected 1; not committed"
+    );
+    tx.commit().await?;
+    Ok(true)
+}
+
 /// "3 rows of <table> for consumer billing": what a consumer-side action is about to touch.
 fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table: &str) -> String {
     let mut consumers: Vec<&str> = rows.iter().map(|r| r.consumer.as_str()).collect();
@@ -323,7 +382,8 @@ fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table
     format!("{} rows of {table}{whose}", rows.len())
 }
 
-/// Text from the database as it may reach a terminal: control characters escaped.
+/// Text from the database as it may reach a terminal: control, invisible and
+/// direction-changing characters escaped, as in logs.
 pub(crate) fn shown(text: &str) -> String {
-    text.escape_debug().to_string()
+    escape(text).to_string()
 }

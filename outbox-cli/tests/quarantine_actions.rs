@@ -270,8 +270,8 @@ async fn bulk_actions_need_yes_when_stdin_is_not_a_terminal() -> Result<()> {
     Ok(())
 }
 
-/// A role of its own for the test, with what an operator needs on the test's schema; dropped
-/// when it goes out of scope.
+/// A role of its own for the test, with what the README grants an operator on the test's
+/// schema (no SELECT on the audit); dropped when it goes out of scope.
 struct Operator {
     name: String,
 }
@@ -285,7 +285,7 @@ impl Operator {
              GRANT USAGE ON SCHEMA {schema} TO {name}; \
              GRANT SELECT, UPDATE, DELETE ON outbox_events, outbox_consumer_quarantine TO {name}; \
              GRANT SELECT ON outbox_quarantine_tables TO {name}; \
-             GRANT SELECT, INSERT ON outbox_quarantine_audit TO {name}"
+             GRANT INSERT ON outbox_quarantine_audit TO {name}"
         )))
         .execute(&db.pool)
         .await?;
@@ -416,6 +416,21 @@ async fn requeue_and_discard_are_audited_with_role_and_reason() -> Result<()> {
         ok && stdout.lines().count() == 2 && stdout.contains("topic fixed, INC-7"),
         "{stdout}"
     );
+    // A reason is operator text, shown escaped like anything else from the database.
+    sqlx::query(
+        "UPDATE outbox_quarantine_audit SET reason = E'x\\n\\u001b[2J\\u202e\\u0085y' \
+         WHERE action = 'discard'",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "audit"])?;
+    assert!(ok && stdout.lines().count() == 2, "{stdout}");
+    assert!(stdout.contains(r"x\n\u{1b}[2J\u{202e}\u{85}y"), "{stdout}");
+    let (ok, stdout, _) = outbox(&db, &["quarantine", "audit", "--json"])?;
+    assert!(
+        ok && !stdout.contains(['\u{202e}', '\u{85}']) && stdout.contains(r"\u202e"),
+        "{stdout}"
+    );
 
     // The time and roles are the server's, whatever an insert says.
     let stamped: (String, bool) = sqlx::query_as(
@@ -462,6 +477,7 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
         std::time::Duration::from_secs(7 * 86_400),
         2,
         None,
+        None,
     )
     .await?;
     assert_eq!(n, 2);
@@ -483,6 +499,8 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
             "--batch",
             "2",
             "--yes",
+            "--reason",
+            "retention",
         ],
     )?;
     assert!(ok, "{stderr}");
@@ -492,28 +510,37 @@ async fn prune_quarantine_deletes_only_older_rows_in_batches() -> Result<()> {
             .fetch_all(&db.pool)
             .await?;
     assert_eq!(left, recent);
-    let batches: Vec<(String, Vec<i64>, serde_json::Value)> =
-        sqlx::query_as("SELECT action, row_ids, detail FROM outbox_quarantine_audit ORDER BY id")
-            .fetch_all(&db.pool)
-            .await?;
+    // (action, how many ids it lists, detail)
+    let batches: Vec<(String, i32, serde_json::Value)> = sqlx::query_as(
+        "SELECT action, cardinality(row_ids) + cardinality(event_ids), detail \
+         FROM outbox_quarantine_audit ORDER BY at, id",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    // Counted, not listed: a flood of poison would double in the audit.
     assert_eq!(
-        batches.iter().map(|b| b.1.len()).collect::<Vec<_>>(),
-        [2, 2, 1],
+        batches
+            .iter()
+            .map(|b| b.2["rows"].as_i64())
+            .collect::<Vec<_>>(),
+        [Some(2), Some(2), Some(1)],
         "{batches:?}"
     );
     assert!(
-        batches.iter().all(|b| b.0 == "prune" && b.2["batch"] == 2),
+        batches.iter().all(|b| b.0 == "prune"
+            && b.1 == 0
+            && b.2["batch"] == 2
+            && b.2["first_row_id"].as_i64() >= Some(old[0])
+            && b.2["last_row_id"].as_i64() <= old.last().copied()),
         "{batches:?}"
     );
-    let mut pruned: Vec<i64> = batches.into_iter().flat_map(|b| b.1).collect();
-    pruned.sort_unstable();
-    assert_eq!(pruned, old);
-    // Oldest first: the 10-day-old row went in the first batch.
-    let first: Vec<i64> =
-        sqlx::query_scalar("SELECT row_ids FROM outbox_quarantine_audit ORDER BY id LIMIT 1")
-            .fetch_one(&db.pool)
+    let reasons: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT reason FROM outbox_quarantine_audit")
+            .fetch_all(&db.pool)
             .await?;
-    assert!(first.contains(&ids[0]), "{first:?}");
+    assert_eq!(reasons, vec![Some("retention".to_owned()); 3]);
+    // Oldest first: the 10-day-old row went in the first batch.
+    assert_eq!(batches[0].2["first_row_id"], ids[0], "{batches:?}");
     Ok(())
 }
 
@@ -560,5 +587,397 @@ async fn a_terminal_is_asked_before_a_bulk_discard() -> Result<()> {
     assert!(ok, "{shown}");
     assert!(shown.contains("discarded 2 messages"), "{shown}");
     assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 0);
+    Ok(())
+}
+
+/// The audit's trigger stamps the server's time whatever the inserting session's
+/// `search_path` puts before `pg_catalog`: an `evil.now()` there is not called.
+#[tokio::test]
+async fn the_audit_time_cannot_be_forged_through_the_search_path() -> Result<()> {
+    let db = TestDb::new().await?;
+    let evil = format!("{}_evil", db.schema);
+    let schema = &db.schema;
+    let mut conn = db.pool.acquire().await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA {evil}; \
+         CREATE FUNCTION {evil}.now() RETURNS timestamptz LANGUAGE sql \
+             AS $$ SELECT '2000-01-01'::timestamptz $$; \
+         SET search_path = {evil}, pg_catalog, {schema}"
+    )))
+    .execute(&mut *conn)
+    .await?;
+    let forged: bool = sqlx::query_scalar(
+        "INSERT INTO outbox_quarantine_audit \
+            (action, side, table_name, row_ids, event_ids, consumers) \
+         VALUES ('discard', 'relay', 'x', '{}', '{}', '{}') \
+         RETURNING at < pg_catalog.now() - interval '1 year'",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "RESET search_path; DROP SCHEMA {evil} CASCADE"
+    )))
+    .execute(&mut *conn)
+    .await?;
+    assert!(!forged, "the audit took the session's now()");
+    Ok(())
+}
+
+/// A registry row outlives its table, and its oid can come back (oid wraparound, a dump that
+/// writes a dangling regclass as a number): a user table that got the oid is no quarantine.
+#[tokio::test]
+async fn a_registered_oid_that_now_names_another_table_is_refused() -> Result<()> {
+    let db = TestDb::new().await?;
+    invoices(&db).await?;
+    // As a restore leaves it: the quarantine's row, now with the oid of the user's table.
+    sqlx::query(
+        "UPDATE outbox_quarantine_tables SET table_oid = 'invoices'::regclass::oid \
+         WHERE table_oid = 'outbox_consumer_quarantine'::regclass",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, stdout, stderr) = outbox(
+        &db,
+        &[
+            "quarantine",
+            "discard",
+            "consumer",
+            "1",
+            "--quarantine-table",
+            "invoices",
+        ],
+    )?;
+    assert!(!ok, "{stdout}");
+    assert!(stderr.contains("not a quarantine table"), "{stderr}");
+    assert_eq!(count(&db, "invoices").await?, 3);
+    Ok(())
+}
+
+/// A second migration set (custom names) in the same schema, owned by another role, migrates:
+/// the shared trigger and function are the first set's, and are left alone.
+#[tokio::test]
+async fn a_second_migration_set_owned_by_another_role_migrates() -> Result<()> {
+    let db = TestDb::new().await?;
+    let owner = outbox_tests::unique("owner");
+    let schema = &db.schema;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {owner} NOLOGIN; \
+         GRANT USAGE, CREATE ON SCHEMA {schema} TO {owner}; \
+         GRANT SELECT, INSERT ON outbox_quarantine_tables TO {owner}"
+    )))
+    .execute(&db.pool)
+    .await?;
+    let url = format!("{}%20-c%20role%3D{owner}", db.url());
+    let migrated = run(
+        &url,
+        &[
+            "--outbox-table",
+            "second_outbox",
+            "--quarantine-table",
+            "second_quarantine",
+            "--dedup-table",
+            "second_dedup",
+            "migrate",
+        ],
+        "",
+    );
+    let registered: Vec<(String, String)> =
+        sqlx::query_as("SELECT relname::text, side FROM outbox_quarantine_tables ORDER BY relname")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap_or_default();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP OWNED BY {owner}; DROP ROLE {owner}"
+    )))
+    .execute(&db.pool)
+    .await?;
+    let (ok, _, stderr) = migrated?;
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        registered,
+        [
+            ("outbox_consumer_quarantine", "consumer"),
+            ("outbox_events", "relay"),
+            ("second_outbox", "relay"),
+            ("second_quarantine", "consumer"),
+        ]
+        .map(|(t, s)| (t.to_owned(), s.to_owned()))
+    );
+    Ok(())
+}
+
+/// Two consumer messages quarantined by `billing`, to be requeued to `topic`; their ids.
+async fn requeueable(db: &TestDb, topic: &str) -> Result<Vec<i64>> {
+    Ok(sqlx::query_scalar(
+        "INSERT INTO outbox_consumer_quarantine \
+            (consumer, topic, partition, \"offset\", event_id, payload, reason, error) \
+         SELECT 'billing', $1, 0, g, gen_random_uuid(), 'p'::bytea, 'handler_failed', 'e' \
+         FROM generate_series(1, 2) AS g RETURNING id",
+    )
+    .bind(topic)
+    .fetch_all(&db.pool)
+    .await?)
+}
+
+/// Operator A asks to requeue two messages; while A's prompt waits, B discards one. A's "y"
+/// must not publish the discarded message again, nor audit a requeue of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_discarded_while_a_requeue_asks_is_not_published() -> Result<()> {
+    use std::io::Read;
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let ids = requeueable(&db, &topic).await?;
+    let command = format!(
+        "'{}' quarantine requeue consumer {} {} --to-consumer billing-v2 --brokers {}",
+        env!("CARGO_BIN_EXE_outbox"),
+        ids[0],
+        ids[1],
+        outbox_tests::kafka_bootstrap()
+    );
+    let mut child = Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .env("DATABASE_URL", db.url())
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut shown = Vec::new();
+    while !String::from_utf8_lossy(&shown).contains("[y/N]") {
+        let chunk = rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert!(
+            chunk.is_ok(),
+            "no prompt: {}",
+            String::from_utf8_lossy(&shown)
+        );
+        shown.extend(chunk.unwrap_or_default());
+    }
+    assert!(
+        String::from_utf8_lossy(&shown).contains("for consumer billing, to consumer billing-v2?"),
+        "{}",
+        String::from_utf8_lossy(&shown)
+    );
+    let (ok, _, stderr) = outbox(
+        &db,
+        &["quarantine", "discard", "consumer", &ids[1].to_string()],
+    )?;
+    assert!(ok, "{stderr}");
+    child.stdin.take().expect("piped").write_all(b"y\n")?;
+    let status = child.wait()?;
+    reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    shown.extend(rx.try_iter().flatten());
+    let shown = String::from_utf8_lossy(&shown);
+    assert!(status.success(), "{shown}");
+    assert!(shown.contains("requeued 1 messages"), "{shown}");
+    assert!(
+        shown.contains(&format!("already gone: {}", ids[1])),
+        "{shown}"
+    );
+
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 1, "only the message still quarantined");
+    let audit: Vec<(String, Vec<i64>)> =
+        sqlx::query_as("SELECT action, row_ids FROM outbox_quarantine_audit ORDER BY at, id")
+            .fetch_all(&db.pool)
+            .await?;
+    assert_eq!(
+        audit,
+        [
+            ("discard".to_owned(), vec![ids[1]]),
+            ("requeue".to_owned(), vec![ids[0]])
+        ]
+    );
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 0);
+    Ok(())
+}
+
+/// A message another session holds (another operator's requeue or discard in flight) is not
+/// published: the requeue says so and leaves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_publishes_nothing_for_a_message_another_action_holds() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let ids = requeueable(&db, &topic).await?;
+    let mut other = db.pool.begin().await?;
+    sqlx::query("SELECT id FROM outbox_consumer_quarantine WHERE id = $1 FOR UPDATE")
+        .bind(ids[0])
+        .execute(&mut *other)
+        .await?;
+    // Bounded, so that a requeue that waits for the lock fails rather than hangs.
+    let url = format!("{}%20-c%20lock_timeout%3D3s", db.url());
+    let (ok, stdout, stderr) = run(
+        &url,
+        &[
+            "quarantine",
+            "requeue",
+            "consumer",
+            &ids[0].to_string(),
+            "--brokers",
+            &outbox_tests::kafka_bootstrap(),
+        ],
+        "",
+    )?;
+    other.rollback().await?;
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 0, "nothing published: {stderr}");
+    assert!(!ok, "{stdout}");
+    assert!(stderr.contains("another session"), "{stderr}");
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
+    Ok(())
+}
+
+/// An action that finds none of its rows changes nothing and is no action: no audit row. And
+/// `audit` lists actions by the server's time, not by the row's id, which an insert can
+/// choose.
+#[tokio::test]
+async fn an_action_that_changes_nothing_is_not_audited_and_audit_goes_by_time() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = quarantine_messages(&db, &[1]).await?;
+    for side in ["relay", "consumer"] {
+        let (ok, stdout, stderr) = outbox(&db, &["quarantine", "discard", side, "999999"])?;
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains("discarded 0"), "{stdout}");
+    }
+    let (ok, _, stderr) = outbox(&db, &["quarantine", "requeue", "relay", "999999"])?;
+    assert!(ok, "{stderr}");
+    assert_eq!(count(&db, "outbox_quarantine_audit").await?, 0);
+
+    sqlx::query(
+        "INSERT INTO outbox_quarantine_audit \
+            (id, action, side, table_name, row_ids, event_ids, consumers) \
+         OVERRIDING SYSTEM VALUE VALUES (1000000, 'discard', 'relay', 'forged', '{}', '{}', '{}')",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (ok, _, stderr) = outbox(
+        &db,
+        &["quarantine", "discard", "consumer", &ids[0].to_string()],
+    )?;
+    assert!(ok, "{stderr}");
+    let (ok, stdout, stderr) = outbox(&db, &["quarantine", "audit", "--limit", "1", "--json"])?;
+    assert!(ok, "{stderr}");
+    let newest: Vec<serde_json::Value> = serde_json::from_str(&stdout)?;
+    assert_eq!(newest.len(), 1);
+    assert_eq!(
+        newest[0]["row_ids"],
+        serde_json::json!([ids[0]]),
+        "{newest:?}"
+    );
+    let (ok, _, stderr) = outbox(&db, &["quarantine", "audit", "--limit=-1"])?;
+    assert!(!ok && stderr.contains("--limit"), "{stderr}");
+    Ok(())
+}
+
+/// A role that may not record the action publishes nothing: the privileges are checked before
+/// the copy is sent, not found missing after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_that_could_not_be_recorded_publishes_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let operator = Operator::new(&db).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "REVOKE INSERT ON outbox_quarantine_audit FROM {}",
+        operator.name
+    )))
+    .execute(&db.pool)
+    .await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let ids = requeueable(&db, &topic).await?;
+    let (ok, stdout, stderr) = run(
+        &operator.url(&db),
+        &[
+            "quarantine",
+            "requeue",
+            "consumer",
+            &ids[0].to_string(),
+            "--brokers",
+            &outbox_tests::kafka_bootstrap(),
+        ],
+        "",
+    )?;
+    let records = outbox_tests::read_all(&topic, 1, std::time::Duration::from_secs(30)).await?;
+    assert_eq!(records.len(), 0, "nothing published: {stderr}");
+    assert!(!ok, "{stdout}");
+    assert!(
+        stderr.contains("lacks INSERT on") && stderr.contains("outbox_quarantine_audit"),
+        "{stderr}"
+    );
+    assert_eq!(count(&db, "outbox_consumer_quarantine").await?, 2);
+    Ok(())
+}
+
+/// The registry and the audit are those of the table's schema: a schema earlier on the
+/// `search_path` with a registry of its own cannot register a user's table.
+#[tokio::test]
+async fn a_registry_earlier_on_the_search_path_registers_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let schema = &db.schema;
+    let shadow = format!("{schema}_shadow");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE payments (id BIGINT PRIMARY KEY, event_id UUID, consumer TEXT); \
+         INSERT INTO payments VALUES (1, NULL, NULL); \
+         CREATE SCHEMA {shadow}; \
+         CREATE TABLE {shadow}.outbox_quarantine_tables \
+             (LIKE {schema}.outbox_quarantine_tables INCLUDING ALL); \
+         CREATE TABLE {shadow}.outbox_quarantine_audit \
+             (LIKE {schema}.outbox_quarantine_audit INCLUDING ALL)"
+    )))
+    .execute(&db.pool)
+    .await?;
+    // Written so that it reads as a registration in the old layout and in the new.
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_schema = $1 AND table_name = 'outbox_quarantine_tables'",
+    )
+    .bind(&shadow)
+    .fetch_all(&db.pool)
+    .await?;
+    let insert = if columns.iter().any(|c| c == "relname") {
+        format!(
+            "INSERT INTO {shadow}.outbox_quarantine_tables (table_oid, side, nspname, relname) \
+             VALUES ('payments'::regclass, 'consumer', '{schema}', 'payments')"
+        )
+    } else {
+        format!(
+            "INSERT INTO {shadow}.outbox_quarantine_tables (table_oid, side) \
+             VALUES ('payments'::regclass, 'consumer')"
+        )
+    };
+    sqlx::query(sqlx::AssertSqlSafe(insert))
+        .execute(&db.pool)
+        .await?;
+    let url = format!(
+        "{}?options=-c%20search_path%3D{shadow}%2C{schema}",
+        outbox_tests::database_url()
+    );
+    let (ok, stdout, stderr) = run(
+        &url,
+        &[
+            "quarantine",
+            "discard",
+            "consumer",
+            "1",
+            "--quarantine-table",
+            "payments",
+        ],
+        "",
+    )?;
+    let left = count(&db, "payments").await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {shadow} CASCADE")))
+        .execute(&db.pool)
+        .await?;
+    assert_eq!(left?, 1, "the user's row deleted: {stdout}");
+    assert!(!ok && stderr.contains("not a quarantine table"), "{stderr}");
     Ok(())
 }

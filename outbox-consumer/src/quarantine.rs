@@ -282,6 +282,8 @@ const COLUMNS: QuarantineColumns = QuarantineColumns {
     held: "TRUE",
     event_id: "event_id",
     consumer: "consumer",
+    // A requeue publishes a copy, then deletes the row.
+    requeue: None,
 };
 
 pub(crate) fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
@@ -331,24 +333,42 @@ pub async fn discard(
     Ok(quarantine(tables).discard(conn, ids, note).await?)
 }
 
+/// Checks, before a requeue publishes anything, that `tables.consumer_quarantine` is a
+/// registered consumer quarantine (as [`verify`]) and that the current role may delete from it
+/// and record the action: a copy is published only when the row it copies can be removed
+/// and audited. A missing privilege is `CoreError::QuarantinePrivilege`.
+pub async fn check_requeue(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+) -> Result<(), ConsumerError> {
+    Ok(quarantine(tables)
+        .check_privileges(conn, QuarantineAction::Requeue)
+        .await?)
+}
+
+/// The quarantined message `id`, locked for the caller's transaction (`None`: it is gone,
+/// discarded or requeued meanwhile): publish its copy, then [`requeued`], then commit, so that
+/// no other action publishes or discards it meanwhile. A message another transaction holds is
+/// not waited for: `CoreError::QuarantineRowsBusy`.
+pub async fn claim(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    id: i64,
+) -> Result<Option<QuarantinedMessage>, ConsumerError> {
+    Ok(quarantine(tables).lock(conn, &[id]).await?.pop())
+}
+
 /// Deletes quarantined messages once copies of them were published again (the broker
 /// acknowledged them), recorded in `outbox_quarantine_audit` as a requeue (with `note`: where
 /// the copies went), in one statement. Returns how many there were; checked as [`discard`].
+/// Run it in the transaction that [`claim`]ed them.
 pub async fn requeued(
     conn: &mut PgConnection,
     tables: &TableNames,
     ids: &[i64],
     note: &ActionNote,
 ) -> Result<u64, ConsumerError> {
-    let quarantine = quarantine(tables);
-    let table = &tables.consumer_quarantine;
-    let delete = format!(
-        "DELETE FROM {table} WHERE id = ANY($1) {}",
-        quarantine.returning()
-    );
-    Ok(quarantine
-        .act(conn, QuarantineAction::Requeue, &delete, ids, note)
-        .await?)
+    Ok(quarantine(tables).requeue(conn, ids, note).await?)
 }
 
 #[cfg(test)]

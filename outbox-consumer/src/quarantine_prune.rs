@@ -13,7 +13,8 @@ use crate::quarantine::quarantine;
 
 /// Deletes the messages quarantined more than `older_than` ago, of every consumer, at most
 /// `batch` per statement, each batch its own transaction (committed before the next) that also
-/// writes one `prune` row in `outbox_quarantine_audit` (the row ids and event ids it deleted).
+/// writes one `prune` row in `outbox_quarantine_audit` (how many it deleted, their least and
+/// greatest id and `quarantined_at`, not every id: a flood would double in the audit).
 /// Runs one instance at a time (another finds it running and returns 0 at once), beside
 /// running consumers: rows another transaction holds are skipped until the next run. Returns
 /// how many rows were deleted. A table that is not a registered consumer quarantine is
@@ -26,10 +27,12 @@ pub async fn prune_quarantine(
     tables: &TableNames,
     older_than: Duration,
     batch: u32,
+    reason: Option<&str>,
 ) -> Result<u64, ConsumerError> {
     let quarantine = quarantine(tables);
-    quarantine.verify(conn).await?;
-    let delete = quarantine.prune_statement("quarantined_at");
+    let delete = quarantine
+        .prune_statement(conn, "quarantined_at", reason)
+        .await?;
     Ok(
         outbox_core::delete_in_batches(
             conn,
@@ -54,15 +57,17 @@ pub async fn prune_quarantine_batch(
     older_than: Duration,
     batch: u32,
     from: Option<DateTime<Utc>>,
+    reason: Option<&str>,
 ) -> Result<(u64, Option<DateTime<Utc>>), ConsumerError> {
     let quarantine = quarantine(tables);
-    quarantine.verify(conn).await?;
-    let (n, last): (i64, Option<DateTime<Utc>>) =
-        sqlx::query_as(AssertSqlSafe(quarantine.prune_statement("quarantined_at")))
-            .bind(older_than.as_secs_f64() * 1000.0)
-            .bind(i64::from(batch.max(1)))
-            .bind(from)
-            .fetch_one(conn)
-            .await?;
+    let delete = quarantine
+        .prune_statement(conn, "quarantined_at", reason)
+        .await?;
+    let (n, last): (i64, Option<DateTime<Utc>>) = sqlx::query_as(AssertSqlSafe(delete))
+        .bind(older_than.as_secs_f64() * 1000.0)
+        .bind(i64::from(batch.max(1)))
+        .bind(from)
+        .fetch_one(conn)
+        .await?;
     Ok((u64::try_from(n).unwrap_or(0), last))
 }

@@ -47,6 +47,26 @@ pub enum CoreError {
         /// Why it does not qualify.
         why: &'static str,
     },
+    /// A quarantine action found rows it was to act on held by another transaction (another
+    /// action, or a consumer, in flight); nothing was done to them.
+    #[error(
+        "rows {keys:?} of {table} are held by another session (another action in flight); nothing was done to them"
+    )]
+    QuarantineRowsBusy {
+        /// The table, schema-qualified.
+        table: String,
+        /// The rows asked for.
+        keys: Vec<i64>,
+    },
+    /// The current role may not take a quarantine action or may not record it; nothing was
+    /// done.
+    #[error("role {role} lacks {missing}; nothing was done")]
+    QuarantinePrivilege {
+        /// The role (`current_user`).
+        role: String,
+        /// The privileges it lacks.
+        missing: String,
+    },
     /// A database error.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

@@ -10,7 +10,8 @@ use uuid::Uuid;
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow, serde::Serialize)]
 #[non_exhaustive]
 pub struct AuditEntry {
-    /// Order of the actions.
+    /// The row's number. Not the order of the actions: an insert can choose it (`OVERRIDING
+    /// SYSTEM VALUE`); `at`, which the server sets, is.
     pub id: i64,
     /// When its transaction began (the server's `now()`).
     pub at: DateTime<Utc>,
@@ -36,7 +37,7 @@ pub struct AuditEntry {
     pub detail: Json<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// The newest `limit` actions, newest first.
+/// The newest `limit` actions, newest first (by `at`, which the server sets; then by `id`).
 pub async fn quarantine_audit(
     conn: &mut PgConnection,
     limit: i64,
@@ -44,7 +45,7 @@ pub async fn quarantine_audit(
     sqlx::query_as(
         "SELECT id, at, action, side, table_name, row_ids, event_ids, consumers, db_user, \
                 db_session_user, reason, detail \
-         FROM outbox_quarantine_audit ORDER BY id DESC LIMIT $1",
+         FROM outbox_quarantine_audit ORDER BY at DESC, id DESC LIMIT $1",
     )
     .bind(limit)
     .fetch_all(conn)

@@ -10,6 +10,7 @@
 //! the caller runs it in.
 
 use sqlx::postgres::PgRow;
+use sqlx::postgres::types::Oid;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, FromRow, PgConnection};
 
@@ -110,6 +111,18 @@ pub struct QuarantineColumns {
     pub event_id: &'static str,
     /// The consumer whose entry it is (`NULL::text` where there is none).
     pub consumer: &'static str,
+    /// What a requeue sets on a row (an `UPDATE`'s `SET` list); `None` where a requeue
+    /// publishes a copy elsewhere and deletes the row.
+    pub requeue: Option<&'static str>,
+}
+
+/// A table [`QuarantineTable::verify`] found registered.
+#[derive(Debug)]
+struct Verified {
+    /// The table, schema-qualified and quoted.
+    name: String,
+    /// Its schema, quoted: where its registry and audit are.
+    schema: String,
 }
 
 /// One side's quarantine, for the operator's actions on it.
@@ -167,43 +180,131 @@ impl<'a> QuarantineTable<'a> {
     /// Checks that the table is registered as this side's quarantine; returns its
     /// schema-qualified name, or [`CoreError::NotAQuarantineTable`].
     pub async fn verify(&self, conn: &mut PgConnection) -> Result<String, CoreError> {
+        Ok(self.verified(conn).await?.name)
+    }
+
+    /// [`Self::verify`], with the names the actions use: the table's resolved once here, so
+    /// an action changes the very table that was checked, and the registry and audit of its
+    /// own schema, whatever else the `search_path` holds.
+    async fn verified(&self, conn: &mut PgConnection) -> Result<Verified, CoreError> {
         let refuse = |why| CoreError::NotAQuarantineTable {
             table: self.table.as_str().to_owned(),
             side: self.side,
             why,
         };
-        let (exists, registry): (bool, bool) = sqlx::query_as(
-            "SELECT to_regclass($1) IS NOT NULL, to_regclass('outbox_quarantine_tables') IS NOT NULL",
+        let found: Option<(Oid, String, String, String, String, bool)> = sqlx::query_as(
+            "SELECT c.oid, n.nspname::text, c.relname::text, format('%I.%I', n.nspname, c.relname), \
+                    quote_ident(n.nspname), \
+                    to_regclass(format('%I.outbox_quarantine_tables', n.nspname)) IS NOT NULL \
+             FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = to_regclass($1)",
         )
         .bind(self.table.as_str())
-        .fetch_one(&mut *conn)
-        .await?;
-        if !exists {
-            return Err(refuse("no such table"));
-        }
-        if !registry {
-            return Err(refuse(
-                "outbox_quarantine_tables does not exist: run `outbox migrate`",
-            ));
-        }
-        let name: Option<String> = sqlx::query_scalar(
-            "SELECT format('%I.%I', n.nspname, c.relname) FROM outbox_quarantine_tables r \
-             JOIN pg_class c ON c.oid = r.table_oid JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE r.table_oid = to_regclass($1) AND r.side = $2",
-        )
-        .bind(self.table.as_str())
-        .bind(self.side.as_str())
         .fetch_optional(&mut *conn)
         .await?;
-        name.ok_or_else(|| {
-            refuse("not listed in outbox_quarantine_tables for this side (the migrations list the tables they create)")
-        })
+        let Some((oid, nspname, relname, name, schema, registry)) = found else {
+            return Err(refuse("no such table"));
+        };
+        if !registry {
+            return Err(refuse(
+                "outbox_quarantine_tables does not exist in its schema: run `outbox migrate`",
+            ));
+        }
+        // Oid and names all three: a registry row can outlive its table, and its oid come
+        // back as another table's.
+        let listed: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT FROM {schema}.outbox_quarantine_tables \
+             WHERE table_oid::oid = $1 AND nspname = $2 AND relname = $3 AND side = $4)"
+        )))
+        .bind(oid)
+        .bind(&nspname)
+        .bind(&relname)
+        .bind(self.side.as_str())
+        .fetch_one(&mut *conn)
+        .await?;
+        if !listed {
+            return Err(refuse(
+                "not listed in outbox_quarantine_tables for this side under this oid and name (the migrations list the tables they create)",
+            ));
+        }
+        Ok(Verified { name, schema })
+    }
+
+    /// The quarantined entries with the given keys, in key order, locked for the caller's
+    /// transaction: another action on them waits for it, and one that finds them gone
+    /// changes nothing. A row another transaction holds is not waited for:
+    /// [`CoreError::QuarantineRowsBusy`]. Checked as [`Self::verify`].
+    pub async fn lock<T>(&self, conn: &mut PgConnection, keys: &[i64]) -> Result<Vec<T>, CoreError>
+    where
+        T: for<'r> FromRow<'r, PgRow> + Send + Unpin,
+    {
+        let Verified { name, .. } = self.verified(conn).await?;
+        let QuarantineColumns { all, key, held, .. } = self.columns;
+        let query = format!(
+            "SELECT {all} FROM {name} WHERE {held} AND {key} = ANY($1) ORDER BY {key} \
+             FOR UPDATE NOWAIT"
+        );
+        sqlx::query_as(AssertSqlSafe(query))
+            .bind(keys)
+            .fetch_all(conn)
+            .await
+            .map_err(|e| match e {
+                sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03") => {
+                    CoreError::QuarantineRowsBusy {
+                        table: name,
+                        keys: keys.to_vec(),
+                    }
+                }
+                e => e.into(),
+            })
+    }
+
+    /// Checks that the current role may take `action` on the table and record it (INSERT on
+    /// the audit), without taking it: for an action with a side effect outside the database
+    /// (a consumer requeue publishes first), so that nothing is published that cannot be
+    /// recorded. Checked as [`Self::verify`]; a missing privilege is
+    /// [`CoreError::QuarantinePrivilege`].
+    pub async fn check_privileges(
+        &self,
+        conn: &mut PgConnection,
+        action: QuarantineAction,
+    ) -> Result<(), CoreError> {
+        let Verified { name, schema } = self.verified(conn).await?;
+        let change = match (action, self.columns.requeue) {
+            (QuarantineAction::Requeue, Some(_)) => "UPDATE",
+            _ => "DELETE",
+        };
+        let audit = format!("{schema}.outbox_quarantine_audit");
+        let (role, on_table, on_audit): (String, bool, bool) = sqlx::query_as(
+            "SELECT current_user::text, has_table_privilege($1, $2), \
+                    has_table_privilege($3, 'INSERT')",
+        )
+        .bind(&name)
+        .bind(change)
+        .bind(&audit)
+        .fetch_one(conn)
+        .await?;
+        let missing: Vec<String> = [
+            (on_table, format!("{change} on {name}")),
+            (on_audit, format!("INSERT on {audit}")),
+        ]
+        .into_iter()
+        .filter(|(has, _)| !has)
+        .map(|(_, what)| what)
+        .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(CoreError::QuarantinePrivilege {
+                role,
+                missing: missing.join(", "),
+            })
+        }
     }
 
     /// The `RETURNING` clause an action's statement ends with: each row's key, event id and
     /// consumer, as the audit takes them.
-    #[must_use]
-    pub fn returning(&self) -> String {
+    fn returning(&self) -> String {
         let QuarantineColumns {
             key,
             event_id,
@@ -221,38 +322,52 @@ impl<'a> QuarantineTable<'a> {
         keys: &[i64],
         note: &ActionNote,
     ) -> Result<u64, CoreError> {
-        let table = self.table;
-        let QuarantineColumns { key, held, .. } = self.columns;
-        let delete = format!(
-            "DELETE FROM {table} WHERE {held} AND {key} = ANY($1) {}",
-            self.returning()
-        );
-        self.act(conn, QuarantineAction::Discard, &delete, keys, note)
-            .await
+        self.act(conn, QuarantineAction::Discard, keys, note).await
     }
 
-    /// Checks the table ([`Self::verify`]), then runs `change` (built from validated names
-    /// only: an `UPDATE` or `DELETE` of the rows whose keys are `$1`, ending with
-    /// [`Self::returning`]) and writes the action's audit row in the same statement. Returns
-    /// how many rows it changed.
-    pub async fn act(
+    /// Requeues the quarantined entries with the given keys, audited: sets
+    /// [`QuarantineColumns::requeue`] on them, or deletes them where a requeue publishes a
+    /// copy first (the consumer's). Returns how many there were.
+    pub async fn requeue(
         &self,
         conn: &mut PgConnection,
-        action: QuarantineAction,
-        change: &str,
         keys: &[i64],
         note: &ActionNote,
     ) -> Result<u64, CoreError> {
-        let name = self.verify(conn).await?;
+        self.act(conn, QuarantineAction::Requeue, keys, note).await
+    }
+
+    /// Checks the table ([`Self::verify`]), changes the quarantined rows whose keys are given
+    /// and writes the action's audit row in the same statement, unless it changed none.
+    /// Returns how many rows it changed.
+    async fn act(
+        &self,
+        conn: &mut PgConnection,
+        action: QuarantineAction,
+        keys: &[i64],
+        note: &ActionNote,
+    ) -> Result<u64, CoreError> {
+        let Verified { name, schema } = self.verified(conn).await?;
+        let QuarantineColumns {
+            key, held, requeue, ..
+        } = self.columns;
+        let returning = self.returning();
+        let change = match (action, requeue) {
+            (QuarantineAction::Requeue, Some(set)) => {
+                format!("UPDATE {name} SET {set} WHERE {held} AND {key} = ANY($1) {returning}")
+            }
+            _ => format!("DELETE FROM {name} WHERE {held} AND {key} = ANY($1) {returning}"),
+        };
+        // No RETURNING from the audit: an operator may INSERT there without reading it.
         let query = format!(
             "WITH acted AS ({change}), \
-             audit AS (INSERT INTO outbox_quarantine_audit \
+             audit AS (INSERT INTO {schema}.outbox_quarantine_audit \
                  (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
-                 {} RETURNING cardinality(row_ids)) \
-             SELECT * FROM audit",
+                 {} HAVING count(*) > 0) \
+             SELECT count(*) FROM acted",
             audit_select("acted", "$2", "$3", "$4", "$5", "$6")
         );
-        let changed: i32 = sqlx::query_scalar(AssertSqlSafe(query))
+        let changed: i64 = sqlx::query_scalar(AssertSqlSafe(query))
             .bind(keys)
             .bind(action.as_str())
             .bind(self.side.as_str())
@@ -264,41 +379,48 @@ impl<'a> QuarantineTable<'a> {
         Ok(u64::try_from(changed).unwrap_or(0))
     }
 
-    /// A statement for [`crate::delete_in_batches`] that deletes quarantined entries whose
-    /// `time` column (a `timestamptz` with an index) is older than `$1` ms, `$2` at a time,
-    /// from `$3` on, in `time` order, and writes one audit row per batch that deleted any.
-    /// Check the table with [`Self::verify`] first.
-    #[must_use]
-    pub fn prune_statement(&self, time: &str) -> String {
-        let table = self.table;
+    /// Checks the table ([`Self::verify`]), and returns a statement for
+    /// [`crate::delete_in_batches`] that deletes quarantined entries whose `time` column (a
+    /// `timestamptz` with an index) is older than `$1` ms, `$2` at a time, from `$3` on, in
+    /// `time` order, and writes one audit row per batch that deleted any, with `reason`. A
+    /// prune's audit row lists no ids (a flood of poison would double in the audit): its
+    /// detail has how many rows, their least and greatest key and `time`.
+    pub async fn prune_statement(
+        &self,
+        conn: &mut PgConnection,
+        time: &str,
+        reason: Option<&str>,
+    ) -> Result<String, CoreError> {
+        let Verified { name, schema } = self.verified(conn).await?;
         let QuarantineColumns { key, held, .. } = self.columns;
-        // The name is a validated identifier, so it can stand in a literal.
-        let name = format!(
-            "(SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c \
-              JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = '{table}'::regclass)"
-        );
-        format!(
+        // The name and reason stand in literals: quoted by the server.
+        let (literal, reason): (String, String) =
+            sqlx::query_as("SELECT quote_literal($1), quote_nullable($2)")
+                .bind(&name)
+                .bind(reason)
+                .fetch_one(conn)
+                .await?;
+        Ok(format!(
             "WITH gone AS ( \
-                DELETE FROM {table} WHERE {key} IN ( \
-                    SELECT {key} FROM {table} WHERE {held} \
+                DELETE FROM {name} WHERE {key} IN ( \
+                    SELECT {key} FROM {name} WHERE {held} \
                       AND {time} < now() - $1 * interval '1 millisecond' \
                       AND {time} >= coalesce($3, '-infinity'::timestamptz) \
                     ORDER BY {time} LIMIT $2 FOR UPDATE SKIP LOCKED) \
                 {}, {time} AS at), \
-             audit AS (INSERT INTO outbox_quarantine_audit \
+             audit AS (INSERT INTO {schema}.outbox_quarantine_audit \
                  (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
-                 {} HAVING count(*) > 0) \
+                 SELECT 'prune', '{side}', {literal}, '{{}}', '{{}}', \
+                        coalesce(array_agg(DISTINCT consumer) FILTER (WHERE consumer IS NOT NULL), '{{}}'), \
+                        {reason}, \
+                        jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint, \
+                            'rows', count(*), 'first_row_id', min(row_id), 'last_row_id', max(row_id), \
+                            'first_at', min(at), 'last_at', max(at)) \
+                 FROM gone HAVING count(*) > 0) \
              SELECT count(*), max(at) FROM gone",
             self.returning(),
-            audit_select(
-                "gone",
-                "'prune'",
-                &format!("'{}'", self.side.as_str()),
-                &name,
-                "NULL",
-                "jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint)",
-            )
-        )
+            side = self.side.as_str(),
+        ))
     }
 }
 

@@ -3,9 +3,7 @@
 //! `outbox_quarantine_audit` in the statement that acts (`outbox_core::QuarantineTable`).
 
 use chrono::{DateTime, Utc};
-use outbox_core::{
-    ActionNote, QuarantineAction, QuarantineColumns, QuarantineSide, QuarantineTable, TableNames,
-};
+use outbox_core::{ActionNote, QuarantineColumns, QuarantineSide, QuarantineTable, TableNames};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -43,6 +41,7 @@ const COLUMNS: QuarantineColumns = QuarantineColumns {
     held: "status = 'quarantined'",
     event_id: "id",
     consumer: "NULL::text",
+    requeue: Some("status = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL"),
 };
 
 fn quarantine(tables: &TableNames) -> QuarantineTable<'_> {
@@ -91,16 +90,7 @@ pub async fn requeue(
     seqs: &[i64],
     note: &ActionNote,
 ) -> Result<u64, ProducerError> {
-    let quarantine = quarantine(tables);
-    let t = &tables.outbox;
-    let update = format!(
-        "UPDATE {t} SET status = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL \
-         WHERE seq = ANY($1) AND status = 'quarantined' {}",
-        quarantine.returning()
-    );
-    Ok(quarantine
-        .act(conn, QuarantineAction::Requeue, &update, seqs, note)
-        .await?)
+    Ok(quarantine(tables).requeue(conn, seqs, note).await?)
 }
 
 /// Deletes quarantined rows for good, and records it (with `note`) in

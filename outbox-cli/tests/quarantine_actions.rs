@@ -957,10 +957,9 @@ async fn a_registry_earlier_on_the_search_path_registers_nothing() -> Result<()>
     sqlx::query(sqlx::AssertSqlSafe(insert))
         .execute(&db.pool)
         .await?;
-    let url = format!(
-        "{}?options=-c%20search_path%3D{shadow}%2C{schema}",
-        outbox_tests::database_url()
-    );
+    let base = outbox_tests::database_url();
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{separator}options=-c%20search_path%3D{shadow}%2C{schema}");
     let (ok, stdout, stderr) = run(
         &url,
         &[

@@ -24,7 +24,7 @@ DO $$
 BEGIN
     EXECUTE format(
         'GRANT USAGE ON SCHEMA %I TO outbox_writer, outbox_relay, outbox_dedup_consumer, '
-        'outbox_status_reader, outbox_debezium',
+        'outbox_status_reader, outbox_debezium, outbox_quarantine_operator',
         (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE c.oid = 'outbox_events'::regclass));
 END
@@ -62,3 +62,13 @@ GRANT SELECT ON outbox_events, outbox_consumer_dedup, outbox_consumer_quarantine
 -- ownership of the table):
 --     CREATE PUBLICATION outbox_publication FOR TABLE outbox_events;
 GRANT SELECT ON outbox_events TO outbox_debezium;
+
+-- Quarantine operators (`outbox quarantine list|show|requeue|discard|audit`, `outbox prune
+-- quarantine`): find the quarantine tables in the registry, act on their rows (UPDATE also
+-- for a consumer requeue's row locks and a relay requeue), and write each action's audit row
+-- (SELECT on it only for `outbox quarantine audit`). Nobody but the owner gets UPDATE or
+-- DELETE on the audit, nor INSERT on the registry (a row there makes a table actionable).
+GRANT SELECT ON outbox_quarantine_tables TO outbox_quarantine_operator;
+GRANT SELECT, INSERT ON outbox_quarantine_audit TO outbox_quarantine_operator;
+GRANT SELECT, UPDATE, DELETE ON outbox_events, outbox_consumer_quarantine
+    TO outbox_quarantine_operator;

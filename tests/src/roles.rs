@@ -54,6 +54,8 @@ pub struct Roles {
     pub status: Login,
     /// Debezium's connector (granted, not run here).
     pub debezium: Login,
+    /// Quarantine operator.
+    pub operator: Login,
     admin: PgPool,
     dropped: bool,
 }
@@ -76,6 +78,7 @@ impl Roles {
             consumer: Login::new("consumer"),
             status: Login::new("status"),
             debezium: Login::new("debezium"),
+            operator: Login::new("operator"),
             admin,
             dropped: false,
         };
@@ -111,7 +114,7 @@ impl Roles {
         Ok(roles)
     }
 
-    fn logins(&self) -> [&Login; 6] {
+    fn logins(&self) -> [&Login; 7] {
         [
             &self.owner,
             &self.writer,
@@ -119,6 +122,7 @@ impl Roles {
             &self.consumer,
             &self.status,
             &self.debezium,
+            &self.operator,
         ]
     }
 
@@ -130,6 +134,7 @@ impl Roles {
             ("outbox_dedup_consumer", &self.consumer),
             ("outbox_status_reader", &self.status),
             ("outbox_debezium", &self.debezium),
+            ("outbox_quarantine_operator", &self.operator),
         ]
         .iter()
         .fold(outbox_core::ROLES_SQL.to_owned(), |sql, (from, to)| {

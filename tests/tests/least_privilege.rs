@@ -266,6 +266,37 @@ async fn each_part_runs_as_its_documented_role() -> Result<()> {
         quarantined
     );
 
+    // The quarantine operator discards it, audited under its own name; the consumer may not.
+    let tables = TableNames::default();
+    let id: i64 = sqlx::query_scalar("SELECT id FROM outbox_consumer_quarantine")
+        .fetch_one(&owner)
+        .await?;
+    let note = outbox_core::ActionNote::new().reason("poison");
+    let refused = outbox_consumer::quarantine::discard(
+        &mut *consumer_pool.acquire().await?,
+        &tables,
+        &[id],
+        &note,
+    )
+    .await;
+    assert!(refused.is_err(), "the consumer discarded: {refused:?}");
+    let operator = roles.pool(&roles.operator).await?;
+    let discarded = outbox_consumer::quarantine::discard(
+        &mut *operator.acquire().await?,
+        &tables,
+        &[id],
+        &note,
+    )
+    .await?;
+    assert_eq!(discarded, 1);
+    let by: String = sqlx::query_scalar(
+        "SELECT db_user FROM outbox_quarantine_audit WHERE action = 'discard' AND reason = 'poison'",
+    )
+    .fetch_one(&owner)
+    .await?;
+    assert_eq!(by, roles.operator.name);
+    operator.close().await;
+
     // The documented grants less one essential privilege fail: the test is not vacuous.
     let (writer_name, relay_name) = (&roles.writer.name, &roles.relay.name);
     roles

@@ -102,21 +102,37 @@ start_kafka() {
   fi
   resolve_jars kafka
   ensure_tls
-  local dir="$SERVICES_DIR/kafka" controller_port=$((KAFKA_PORT + 1))
-  if port_open "$KAFKA_PORT" && ! port_open $((KAFKA_PORT + 3)) && [ -s "$dir/pid" ]; then
-    # Started by an earlier version of this script, without the secured listeners.
-    log "restarting the test broker to add its TLS listeners"
-    local old
-    old="$(cat "$dir/pid")"
-    kill "$old" 2>/dev/null || true
-    wait_for "the test broker to stop" 120 pid_gone "$old"
+  local dir="$SERVICES_DIR/kafka" controller_port=$((KAFKA_PORT + 1)) certificates
+  certificates="$(cat "$TLS_DIR/server-keystore.pem" "$TLS_DIR/ca.pem" | sha256sum | cut -c1-64)"
+  if port_open "$KAFKA_PORT"; then
+    local why=""
+    if ! port_open $((KAFKA_PORT + 3)); then
+      why="to add its TLS listeners"
+    elif [ "$(cat "$dir/certificates.sha256" 2>/dev/null)" != "$certificates" ]; then
+      why="to serve the certificates scripts/tls.sh made again"
+    fi
+    if [ -n "$why" ]; then
+      local old
+      old="$(cat "$dir/pid" 2>/dev/null || true)"
+      # Only the broker these scripts started: its java process runs this checkout's
+      # server.properties. Another broker on the port is left alone.
+      if [ -z "$old" ] || ! tr '\0' ' ' <"/proc/$old/cmdline" 2>/dev/null \
+        | grep -q "kafka.Kafka $dir/server.properties"; then
+        log "a broker these scripts did not start holds 127.0.0.1:$KAFKA_PORT (set OUTBOX_TEST_KAFKA to use it, or stop it)"
+        return 1
+      fi
+      log "restarting the test broker $why"
+      kill "$old" 2>/dev/null || true
+      wait_for "the test broker to stop" 120 pid_gone "$old"
+    fi
   fi
   if ! port_open "$KAFKA_PORT"; then
     mkdir -p "$dir"
     [ -s "$dir/cluster.id" ] || new_cluster_id >"$dir/cluster.id"
     log "starting Apache Kafka (KRaft) on 127.0.0.1:$KAFKA_PORT (SASL_SSL on $((KAFKA_PORT + 2)), mTLS on $((KAFKA_PORT + 3)))"
-    (export KAFKA_TLS_DIR="$TLS_DIR" && start_kafka_node "$dir" 1 "$KAFKA_PORT" \
-      "$controller_port" "1@127.0.0.1:$controller_port" "$(cat "$dir/cluster.id")" 1)
+    start_kafka_node "$dir" 1 "$KAFKA_PORT" "$controller_port" \
+      "1@127.0.0.1:$controller_port" "$(cat "$dir/cluster.id")" 1 "$TLS_DIR"
+    echo "$certificates" >"$dir/certificates.sha256"
   fi
   wait_for "Kafka" 120 "$ROOT/scripts/kafka-ready" "127.0.0.1:$KAFKA_PORT" \
     || { tail -n 50 "$dir/broker.log" >&2; return 1; }
@@ -129,19 +145,14 @@ pid_gone() { ! kill -0 "$1" 2>/dev/null; }
 # (services/kafka/ScramUser.java), through the plaintext listener; the password goes through a
 # file, never a command line.
 ensure_scram_user() {
-  local password_file="$OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE" marker="$SERVICES_DIR/kafka/scram.applied"
+  local password_file="$OUTBOX_TEST_KAFKA_SCRAM_PASSWORD_FILE"
   if [ ! -s "$password_file" ]; then
     (umask 077 && openssl rand -hex 16 >"$password_file")
   fi
-  if [ -f "$marker" ] && [ "$marker" -nt "$password_file" ] \
-    && [ "$marker" -nt "$SERVICES_DIR/kafka/cluster.id" ]; then
-    return 0
-  fi
-  log "creating the SCRAM-SHA-512 user $OUTBOX_TEST_KAFKA_SCRAM_USER on the test broker"
+  # An upsert, run at every start: a broker whose data was wiped gets its user back.
   java -Dlog4j2.configurationFile="$ROOT/services/kafka/log4j2.properties" \
     -cp "$(cat "$OUTBOX_TEST_KAFKA_CLASSPATH_FILE")" "$ROOT/services/kafka/ScramUser.java" \
     "127.0.0.1:$KAFKA_PORT" "$OUTBOX_TEST_KAFKA_SCRAM_USER" "$password_file" >/dev/null
-  touch "$marker"
 }
 
 # A 3-broker cluster (replication factor 3, min.insync.replicas=2) for the reliability

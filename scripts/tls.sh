@@ -15,19 +15,22 @@
 #   rogue-ca.pem, rogue-server.pem, rogue-server.key, rogue-server-keystore.pem
 set -euo pipefail
 
-TLS_DIR="${TLS_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.services/tls}"
+# Always this checkout's: a directory named by the environment is never made or removed.
+TLS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.services/tls"
 # Days the certificates are valid; remade when fewer than TLS_RENEW_DAYS remain.
 TLS_DAYS=825
 TLS_RENEW_DAYS=30
 
 tls_log() { printf '[tls] %s\n' "$*" >&2; }
 
-# tls_authority NAME: a self-signed authority NAME.pem / NAME.key.
+# tls_authority NAME: a self-signed authority NAME.pem / NAME.key (in $TLS_DIR, which
+# ensure_tls points at a fresh directory while it makes them).
 tls_authority() {
   openssl req -x509 -newkey rsa:2048 -nodes -sha256 -days "$TLS_DAYS" \
     -subj "/CN=outbox test authority ($1)" \
     -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign \
-    -keyout "$TLS_DIR/$1.key" -out "$TLS_DIR/$1.pem" 2>/dev/null
+    -keyout "$TLS_DIR/$1.key" -out "$TLS_DIR/$1.pem" 2>"$TLS_DIR/openssl.log" \
+    || { cat "$TLS_DIR/openssl.log" >&2; return 1; }
 }
 
 # tls_leaf NAME CA USAGE [KEY_PASSWORD_FILE]: NAME.pem signed by CA, for 127.0.0.1 and
@@ -55,7 +58,8 @@ tls_leaf() {
 
 tls_fresh() {
   local f
-  for f in ca.pem server.pem client.pem rogue-server.pem client.key.password; do
+  for f in ca.pem server.pem server.key server-keystore.pem client.pem client.key \
+    client.key.password rogue-ca.pem rogue-server-keystore.pem; do
     [ -s "$TLS_DIR/$f" ] || return 1
   done
   openssl x509 -checkend $((TLS_RENEW_DAYS * 86400)) -noout -in "$TLS_DIR/ca.pem" >/dev/null
@@ -66,17 +70,32 @@ ensure_tls() {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null
   }
   if tls_fresh; then return 0; fi
-  tls_log "making a test certificate authority and certificates in $TLS_DIR"
-  rm -rf "$TLS_DIR"
-  mkdir -p "$TLS_DIR"
-  chmod 700 "$TLS_DIR"
-  (umask 077 && openssl rand -hex 16 >"$TLS_DIR/client.key.password")
-  tls_authority ca
-  tls_authority rogue-ca
-  tls_leaf server ca serverAuth
-  tls_leaf client ca clientAuth "$TLS_DIR/client.key.password"
-  tls_leaf rogue-server rogue-ca serverAuth
-  # Services may run as another user (PostgreSQL as postgres): the directory is readable,
-  # the keys are copied where each service needs them, with their owner's permissions.
-  chmod 755 "$TLS_DIR"
+  local final="$TLS_DIR" parent
+  parent="$(dirname "$final")"
+  mkdir -p "$parent"
+  # One maker at a time (the demo and the tests may start together); made in a directory of
+  # its own and moved into place whole, so an interrupted run leaves no half set.
+  exec {tls_lock}>"$parent/tls.lock"
+  flock "$tls_lock"
+  if tls_fresh; then exec {tls_lock}>&-; return 0; fi
+  tls_log "making a test certificate authority and certificates in $final"
+  TLS_DIR="$(mktemp -d "$parent/tls.new.XXXXXX")"
+  (
+    set -e
+    chmod 700 "$TLS_DIR"
+    (umask 077 && openssl rand -hex 16 >"$TLS_DIR/client.key.password")
+    tls_authority ca
+    tls_authority rogue-ca
+    tls_leaf server ca serverAuth
+    tls_leaf client ca clientAuth "$TLS_DIR/client.key.password"
+    tls_leaf rogue-server rogue-ca serverAuth
+    # Services may run as another user (PostgreSQL as postgres): the directory is readable,
+    # the keys are copied where each service needs them, with their owner's permissions.
+    chmod 755 "$TLS_DIR"
+  ) || { local made="$TLS_DIR"; TLS_DIR="$final"; rm -rf "$made"; exec {tls_lock}>&-; return 1; }
+  if [ -d "$final" ]; then mv "$final" "$parent/tls.old.$$"; fi
+  mv "$TLS_DIR" "$final"
+  rm -rf "$parent/tls.old.$$"
+  TLS_DIR="$final"
+  exec {tls_lock}>&-
 }

@@ -113,6 +113,9 @@ pub(crate) fn text<'m>(message: &'m OwnedMessage, name: &str) -> Option<&'m str>
     })
 }
 
+/// How much of a bad name an error shows (`header_bytes` keeps all of it).
+const SHOWN: usize = 64;
+
 /// Why a record whose headers are `read` breaks the contract's header names, if it does.
 pub(crate) fn name_defect(read: &[Read<'_>]) -> Option<String> {
     let defects: Vec<String> = read
@@ -121,8 +124,13 @@ pub(crate) fn name_defect(read: &[Read<'_>]) -> Option<String> {
         .filter_map(|(i, h)| match h {
             Read::Whole(..) => None,
             Read::Bytes(name, _) => Some(format!(
-                "header {i}: its name \"{}\" is {}",
-                name.escape_ascii(),
+                "header {i}: its name \"{}\"{} is {}",
+                name[..name.len().min(SHOWN)].escape_ascii(),
+                if name.len() > SHOWN {
+                    format!("... ({} bytes)", name.len())
+                } else {
+                    String::new()
+                },
                 if std::str::from_utf8(name).is_ok() {
                     "not to have a NUL inside"
                 } else {
@@ -145,6 +153,10 @@ fn get(headers: &OwnedHeaders, idx: usize) -> Option<(&[u8], Option<&[u8]>)> {
     // `rd_kafka_headers_t` pointer (rdkafka's own `BorrowedHeaders::as_native_ptr` is this
     // cast); `as_borrowed` makes such a reference of the message's own headers. The unit
     // tests hold this crate's rdkafka to it: re-read them when upgrading rdkafka.
+    // librdkafka casts the index to `int`: keep it in range here.
+    if idx >= headers.count() {
+        return None;
+    }
     let native =
         std::ptr::from_ref::<BorrowedHeaders>(headers.as_borrowed()).cast::<rd_kafka_headers_t>();
     let mut name: *const c_char = std::ptr::null();

@@ -77,29 +77,47 @@ pub fn check_connection_with_context<C: ClientContext + 'static>(
             failure: KafkaCheckFailure::Config,
             reason: crate::kafka_secrets::redact_error(error, config).to_string(),
         })?;
-    let started = Instant::now();
-    match probe.fetch_metadata(None, timeout) {
-        Ok(metadata) => Ok(metadata.brokers().len()),
-        Err(error) => {
-            // Errors reach the callback through the probe's queue: serve it until one is
-            // reported, for what is left of the time and at least a little more.
-            let until = (started + timeout).max(Instant::now() + REPORT_WAIT);
-            while probe.context().reported().is_none() && Instant::now() < until {
-                let _ = probe.poll(Duration::from_millis(100));
-            }
-            let (failure, reason) = probe
-                .context()
-                .reported()
-                .unwrap_or((KafkaCheckFailure::Unreachable, error.to_string()));
-            Err(CoreError::KafkaCheck { failure, reason })
+    let deadline = Instant::now() + timeout;
+    let failed = loop {
+        // Serving the probe's queue is what hands librdkafka an OAUTHBEARER token from the
+        // context (it connects only once it has one) and delivers errors to the context:
+        // short metadata requests in between, never one blocking wait.
+        let _ = probe.poll(POLL);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let error = match probe.fetch_metadata(None, left.clamp(POLL, ASK)) {
+            Ok(metadata) => return Ok(metadata.brokers().len()),
+            Err(error) => error,
+        };
+        let precise = probe
+            .context()
+            .reported()
+            .is_some_and(|(failure, _)| failure.needs_a_change());
+        if precise || Instant::now() >= deadline {
+            break error;
         }
+    };
+    // A cause may still be on its way through the queue.
+    let until = Instant::now() + REPORT_WAIT;
+    while probe.context().reported().is_none() && Instant::now() < until {
+        let _ = probe.poll(POLL);
     }
+    let (failure, reason) = probe
+        .context()
+        .reported()
+        .unwrap_or_else(|| (KafkaCheckFailure::Unreachable, failed.to_string()));
+    Err(CoreError::KafkaCheck { failure, reason })
 }
 
-/// How long the check serves the probe's queue after the metadata request failed.
+/// How long the check serves the probe's queue at a time.
+const POLL: Duration = Duration::from_millis(100);
+/// The longest one metadata request of the check waits.
+const ASK: Duration = Duration::from_millis(500);
+
+/// How long the check serves the probe's queue for a cause after it gave up.
 const REPORT_WAIT: Duration = Duration::from_secs(2);
 
-/// The probe takes the application's settings but never joins its consumer group.
+/// The probe takes the application's settings but no consumer group (it would look up a
+/// group coordinator, which an ACL'd cluster logs as a denial).
 fn probe_config(config: &ClientConfig) -> ClientConfig {
     let mut probe = ClientConfig::new();
     // `config_map` hides secrets' values; `get` gives them.
@@ -111,7 +129,6 @@ fn probe_config(config: &ClientConfig) -> ClientConfig {
             probe.set(key, value);
         }
     }
-    probe.set("group.id", "outbox-connection-check");
     probe.set_log_level(config.log_level);
     probe
 }
@@ -161,15 +178,8 @@ impl<C: ClientContext> ClientContext for Probe<C> {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        let failure = match error.rdkafka_error_code() {
-            Some(RDKafkaErrorCode::Authentication) => KafkaCheckFailure::Authentication,
-            Some(RDKafkaErrorCode::SSL) => KafkaCheckFailure::Tls,
-            // A broker that refuses the client's certificate ends the connection with a TLS
-            // alert, which librdkafka reports as a transport failure.
-            _ if reason.contains("SSL") || reason.contains("certificate") => KafkaCheckFailure::Tls,
-            // "All brokers down" says nothing the transport failure before it did not.
-            Some(RDKafkaErrorCode::AllBrokersDown) => return,
-            _ => KafkaCheckFailure::Unreachable,
+        let Some(failure) = classify(error.rdkafka_error_code(), reason) else {
+            return;
         };
         let mut reported = self
             .reported
@@ -193,3 +203,81 @@ impl<C: ClientContext> ClientContext for Probe<C> {
 }
 
 impl<C: ClientContext> ConsumerContext for Probe<C> {}
+
+/// What a client error says of the configuration; `None` for "all brokers down", which says
+/// nothing the error before it did not. librdkafka reports a connection lost during the TLS
+/// or SASL handshake with the SSL or authentication code too ("SSL handshake failed:
+/// Disconnected", "... Local: Broker transport failure"): those are outages, not a wrong
+/// certificate or password.
+fn classify(code: Option<RDKafkaErrorCode>, reason: &str) -> Option<KafkaCheckFailure> {
+    let lower = reason.to_ascii_lowercase();
+    let lost = [
+        "disconnected",
+        "timed out",
+        "connection refused",
+        "transport failure",
+    ]
+    .iter()
+    .any(|words| lower.contains(words));
+    // An OpenSSL alert or verification failure: the broker refused the client's
+    // certificate (reported as a transport failure), or the client the broker's.
+    let refused_certificate = lower.contains("certificate") || lower.contains("alert");
+    Some(match code {
+        Some(RDKafkaErrorCode::AllBrokersDown) => return None,
+        _ if refused_certificate => KafkaCheckFailure::Tls,
+        _ if lost => KafkaCheckFailure::Unreachable,
+        Some(RDKafkaErrorCode::Authentication) => KafkaCheckFailure::Authentication,
+        Some(RDKafkaErrorCode::SSL) => KafkaCheckFailure::Tls,
+        _ => KafkaCheckFailure::Unreachable,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_connection_is_no_wrong_password_or_certificate() {
+        use KafkaCheckFailure as F;
+        use RDKafkaErrorCode as C;
+        let cases = [
+            (
+                C::Authentication,
+                "sasl_ssl://h:9094/bootstrap: SASL authentication error: Authentication failed during authentication due to invalid credentials with SASL mechanism SCRAM-SHA-512",
+                F::Authentication,
+            ),
+            (
+                C::Authentication,
+                "sasl_ssl://h:9094/bootstrap: Failed to initialize SASL authentication: SASL Handshake failed: Local: Broker transport failure",
+                F::Unreachable,
+            ),
+            (
+                C::SSL,
+                "ssl://h:9095/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified",
+                F::Tls,
+            ),
+            (
+                C::BrokerTransportFailure,
+                "ssl://h:9095/bootstrap: Receive failed: error:0A000412:SSL routines::sslv3 alert bad certificate: SSL alert number 42",
+                F::Tls,
+            ),
+            (
+                C::BrokerTransportFailure,
+                "ssl://h:9092/bootstrap: SSL handshake failed: Disconnected: connecting to a PLAINTEXT broker listener?",
+                F::Unreachable,
+            ),
+            (
+                C::BrokerTransportFailure,
+                "h:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused",
+                F::Unreachable,
+            ),
+        ];
+        for (code, reason, expected) in cases {
+            assert_eq!(classify(Some(code), reason), Some(expected), "{reason}");
+        }
+        assert_eq!(
+            classify(Some(C::AllBrokersDown), "1/1 brokers are down"),
+            None
+        );
+    }
+}

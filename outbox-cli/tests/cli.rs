@@ -711,7 +711,7 @@ async fn relay_publishes_with_kafka_settings_from_a_file_and_the_environment() -
         "# as in production, with the brokers in the file\nbootstrap.servers={}\nclient.id=outbox-relay\n",
         outbox_tests::kafka_bootstrap()
     ))?;
-    let mut relay = KillOnDrop(
+    let relay = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_outbox"))
             .args(["relay", "--poll-interval", "100ms", "-X", "linger.ms=5"])
             .env("DATABASE_URL", schema_url(&db))
@@ -720,8 +720,18 @@ async fn relay_publishes_with_kafka_settings_from_a_file_and_the_environment() -
             .env("OUTBOX_KAFKA_MESSAGE_TIMEOUT_MS", "20000")
             .spawn()?,
     );
+    publishes_one_event_then_stops(&db, &topic, relay).await
+}
+
+/// Enqueues one event for `topic`, awaits the relay process publishing it, then stops the
+/// process with SIGTERM and expects a clean exit.
+async fn publishes_one_event_then_stops(
+    db: &TestDb,
+    topic: &str,
+    mut relay: KillOnDrop,
+) -> Result<()> {
     let event =
-        outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?.with_topic(&topic)?;
+        outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?.with_topic(topic)?;
     let mut tx = db.pool.begin().await?;
     outbox_producer::enqueue(&mut tx, &event).await?;
     tx.commit().await?;
@@ -893,29 +903,14 @@ async fn relay_and_requeue_work_over_sasl_ssl_and_mutual_tls() -> Result<()> {
         let db = TestDb::new().await?;
         let topic = outbox_tests::random_topic(1).await?;
         let file = secure_properties(&kafka, mtls)?;
-        let mut relay = KillOnDrop(
+        let relay = KillOnDrop(
             Command::new(env!("CARGO_BIN_EXE_outbox"))
                 .args(["relay", "--poll-interval", "100ms", "-F", file.path()])
                 .env("DATABASE_URL", schema_url(&db))
                 .env_remove("KAFKA_BROKERS")
                 .spawn()?,
         );
-        let event = outbox_core::NewEvent::new("a", "k", "t", &serde_json::json!({}))?
-            .with_topic(&topic)?;
-        let mut tx = db.pool.begin().await?;
-        outbox_producer::enqueue(&mut tx, &event).await?;
-        tx.commit().await?;
-        outbox_tests::eventually(
-            "the relay process publishes",
-            std::time::Duration::from_secs(30),
-            || async { Ok(outbox_tests::count_status(&db.pool, "published").await? == 1) },
-        )
-        .await?;
-        let status = Command::new("kill")
-            .args(["-TERM", &relay.0.id().to_string()])
-            .status()?;
-        assert!(status.success());
-        assert!(relay.0.wait()?.success());
+        publishes_one_event_then_stops(&db, &topic, relay).await?;
 
         let id: i64 = sqlx::query_scalar(
             "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \

@@ -34,8 +34,8 @@ pub struct DedupContext<C = DefaultClientContext> {
     /// Closed while a revocation takes effect (see [`Self::poll_at_epoch`]).
     gate: Mutex<Gate>,
     /// What librdkafka last reported as a client error.
-    client_error: outbox_core::LastClientError,
-    inner: C,
+    /// The application's context, recording librdkafka's client errors.
+    inner: outbox_core::RecordingContext<C>,
 }
 
 #[derive(Debug, Default)]
@@ -55,8 +55,7 @@ impl<C> DedupContext<C> {
             owned: Mutex::default(),
             watcher: Mutex::default(),
             gate: Mutex::default(),
-            client_error: outbox_core::LastClientError::default(),
-            inner,
+            inner: outbox_core::RecordingContext::new(inner),
         }
     }
 
@@ -64,7 +63,7 @@ impl<C> DedupContext<C> {
     /// broker), escaped; take the handle before [`DedupConsumer::run`](crate::DedupConsumer::run)
     /// takes the consumer: it keeps seeing what the context records.
     pub fn last_client_error(&self) -> outbox_core::LastClientError {
-        self.client_error.clone()
+        self.inner.last_error()
     }
 
     /// Sets (or, with `None`, clears) what runs before each rebalance takes effect.
@@ -74,7 +73,7 @@ impl<C> DedupContext<C> {
 
     /// The application's context.
     pub fn inner(&self) -> &C {
-        &self.inner
+        self.inner.inner()
     }
 
     /// Polls `take` (a non-blocking take from `topic`/`partition`'s own queue) and gives what
@@ -120,7 +119,7 @@ impl<C: std::fmt::Debug> std::fmt::Debug for DedupContext<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DedupContext")
             .field("epochs", &self.epochs)
-            .field("inner", &self.inner)
+            .field("inner", self.inner.inner())
             .finish_non_exhaustive()
     }
 }
@@ -141,7 +140,6 @@ impl<C: ClientContext> ClientContext for DedupContext<C> {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        self.client_error.record(&error, reason);
         self.inner.error(error, reason);
     }
 

@@ -38,7 +38,7 @@ pub use error::CoreError;
 pub use escape::{Escaped, EscapedBytes, escape, escape_bytes};
 pub use ident::{Ident, TableNames};
 pub use kafka_check::{KafkaCheckFailure, check_connection, check_connection_with_context};
-pub use last_client_error::LastClientError;
+pub use last_client_error::{LastClientError, RecordingContext};
 #[cfg(feature = "prometheus")]
 pub use metrics_endpoint::serve_metrics;
 pub use migrate::{MIGRATOR, migrate, migrate_with, migrator};

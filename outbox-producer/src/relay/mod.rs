@@ -56,7 +56,6 @@
 //! [`ProducerError::FatalProducer`], to be restarted with a new producer.
 
 mod config;
-mod context;
 mod failure;
 mod grace;
 mod kafka;
@@ -85,9 +84,9 @@ pub use kafka::producer_config;
 
 use crate::ProducerError;
 use crate::sql::RelaySql;
-use context::{LastError, RelayContext};
 use failure::{FailureKind, classify, outage_wait};
 use outages::Outages;
+use outbox_core::{LastClientError as LastError, RecordingContext as RelayContext};
 use publish::Outcome;
 use row::OutboxRow;
 
@@ -188,11 +187,9 @@ impl<C: ClientContext + 'static> Relay<C> {
         let mut kafka = kafka.clone();
         kafka::enforce_required(&mut kafka);
         config.validate()?;
-        let client_error = LastError::default();
-        let producer = outbox_core::kafka_secrets::create_with_context(
-            &kafka,
-            RelayContext::new(context, client_error.clone()),
-        )?;
+        let context = RelayContext::new(context);
+        let client_error = context.last_error();
+        let producer = outbox_core::kafka_secrets::create_with_context(&kafka, context)?;
         let needed = 1 + u32::from(config.listen);
         let max = pool.options().get_max_connections();
         if max < needed {

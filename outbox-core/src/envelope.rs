@@ -119,6 +119,13 @@ impl NewEvent {
         Ok(self)
     }
 
+    /// Makes this event an action for the dispatcher of `destination` (see
+    /// `outbox_producer::dispatch`) instead of an event for Kafka: no relay publishes it.
+    pub fn for_dispatcher(mut self, destination: &str) -> Result<Self, CoreError> {
+        self.topic = wire::dispatch_topic(destination)?;
+        Ok(self)
+    }
+
     /// Adds an application header. Names the wire contract reserves are refused.
     pub fn with_header(
         mut self,

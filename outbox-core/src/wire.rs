@@ -43,6 +43,37 @@ pub const HEADER_REQUEUE_FOR: &str = "outbox-requeue-for";
 /// Prefix of the default topic, followed by the aggregate type.
 pub const DEFAULT_TOPIC_PREFIX: &str = "outbox.event.";
 
+/// Prefix of the `topic` column of an action a dispatcher performs instead of a relay
+/// publishing it: `dispatch:<destination>`. Kafka topic names cannot contain `:`, so no topic
+/// is ever mistaken for a destination; the relay never claims these rows.
+pub const DISPATCH_TOPIC_PREFIX: &str = "dispatch:";
+
+/// Longest destination name (the rest of a `topic` after [`DISPATCH_TOPIC_PREFIX`]).
+pub const DESTINATION_MAX_LEN: usize = 200;
+
+/// The `topic` of the actions of `destination`, or why it is not a destination name: 1 to
+/// [`DESTINATION_MAX_LEN`] ASCII letters, digits, `.`, `_` or `-`.
+pub fn dispatch_topic(destination: &str) -> Result<String, crate::CoreError> {
+    let valid = !destination.is_empty()
+        && destination.len() <= DESTINATION_MAX_LEN
+        && destination
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if valid {
+        Ok(format!("{DISPATCH_TOPIC_PREFIX}{destination}"))
+    } else {
+        Err(crate::CoreError::InvalidEvent(format!(
+            "destination {:?} must be 1 to {DESTINATION_MAX_LEN} ASCII letters, digits, '.', '_' or '-'",
+            crate::escape(destination)
+        )))
+    }
+}
+
+/// Whether a row with this `topic` is an action for a dispatcher.
+pub fn is_dispatch_topic(topic: &str) -> bool {
+    topic.starts_with(DISPATCH_TOPIC_PREFIX)
+}
+
 /// Header names the contract owns; applications may not set them.
 pub const RESERVED_HEADERS: &[&str] = &[HEADER_ID, HEADER_TYPE, HEADER_REQUEUE_FOR];
 

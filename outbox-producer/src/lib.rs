@@ -34,8 +34,10 @@
 //! # Ok(()) }
 //! ```
 
+pub mod dispatch;
 mod enqueue;
 mod error;
+mod lane;
 mod maintenance;
 pub mod quarantine;
 pub mod relay;

@@ -4,6 +4,7 @@
 use outbox_core::Ident;
 use sqlx::{AssertSqlSafe, SqlStr};
 
+use crate::lane::LaneRows;
 use crate::relay::QuarantinePolicy;
 
 fn sql(text: String) -> SqlStr {
@@ -83,12 +84,29 @@ impl EnqueueSql {
 pub(crate) struct RelaySql {
     pub(crate) claim: SqlStr,
     pub(crate) mark_published: SqlStr,
+    /// Marks done with each row's answer (`$2`, JSON text or NULL) as its outcome.
+    pub(crate) mark_done: SqlStr,
     pub(crate) delete_published: SqlStr,
     pub(crate) record_failures: SqlStr,
 }
 
 impl RelaySql {
-    pub(crate) fn new(table: &Ident, policy: QuarantinePolicy) -> Self {
+    pub(crate) fn new(table: &Ident, policy: QuarantinePolicy, lane: &LaneRows) -> Self {
+        // A lane's rows, for the claimed row `e` and for the earlier rows `h` and `p` of its
+        // key that may hold it back: a relay and a dispatcher never hold each other's keys.
+        // The claim's predicates on `e` are those of the lane's pending index (migration
+        // 0013), word for word. A destination's topic is validated (letters, digits, `.`,
+        // `_`, `-` after the prefix): the only value spliced into these statements.
+        let (mine, lock_ns) = match lane {
+            LaneRows::Relay => ("NOT LIKE 'dispatch:%'".to_owned(), String::new()),
+            LaneRows::Dispatch(topic) => (format!("= '{topic}'"), format!(" || '/{topic}'")),
+        };
+        let lane_e = match lane {
+            LaneRows::Relay => "e.topic NOT LIKE 'dispatch:%'".to_owned(),
+            LaneRows::Dispatch(topic) => {
+                format!("e.topic LIKE 'dispatch:%' AND e.topic = '{topic}'")
+            }
+        };
         // An aggregate is (aggregatetype, aggregateid): `invoice/42` never holds `customer/42`
         // back. The unpublished-key index is on (aggregateid, seq), the holding index (0009) on
         // (aggregateid, aggregatetype, seq); on the former, aggregatetype is checked on the few
@@ -143,14 +161,14 @@ impl RelaySql {
             claim: sql(format!(
                 "WITH claimed AS ( \
                     SELECT seq, aggregatetype, aggregateid FROM {table} e \
-                    WHERE status = 'pending' AND next_attempt_at <= now() \
+                    WHERE status = 'pending' AND {lane_e} AND next_attempt_at <= now() \
                       AND NOT EXISTS ( \
                         SELECT 1 FROM {table} h \
                         WHERE h.aggregateid = e.aggregateid AND h.aggregatetype = e.aggregatetype \
-                          AND h.seq < e.seq AND {held} \
+                          AND h.seq < e.seq AND h.topic {mine} AND {held} \
                         OFFSET 0) \
                       AND pg_try_advisory_xact_lock(hashtextextended( \
-                        '{table}'::regclass::oid::text || '/' || e.aggregatetype || '/' || e.aggregateid, 0)) \
+                        '{table}'::regclass::oid::text{lock_ns} || '/' || e.aggregatetype || '/' || e.aggregateid, 0)) \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) \
                  SELECT e.seq, e.id, e.aggregatetype, e.aggregateid, e.type, e.payload::text AS payload, e.headers, \
                         e.topic, e.created_at, e.attempts \
@@ -158,7 +176,7 @@ impl RelaySql {
                  WHERE NOT EXISTS ( \
                     SELECT 1 FROM {table} p \
                     WHERE p.aggregateid = c.aggregateid AND p.aggregatetype = c.aggregatetype \
-                      AND p.seq < c.seq AND {blocking} \
+                      AND p.seq < c.seq AND p.topic {mine} AND {blocking} \
                       AND p.seq NOT IN (SELECT seq FROM claimed) OFFSET 0) \
                  ORDER BY e.seq"
             )),
@@ -169,13 +187,19 @@ impl RelaySql {
                         attempts = attempts + 1, last_error = NULL \
                  WHERE seq = ANY($1)"
             )),
+            mark_done: sql(format!(
+                "UPDATE {table} AS e SET status = 'published', published_at = clock_timestamp(), \
+                        attempts = e.attempts + 1, last_error = NULL, outcome = d.outcome::jsonb \
+                 FROM unnest($1::bigint[], $2::text[]) AS d(seq, outcome) \
+                 WHERE e.seq = d.seq"
+            )),
             delete_published: sql(format!("DELETE FROM {table} WHERE seq = ANY($1)")),
             record_failures: sql(format!(
                 "UPDATE {table} AS e SET attempts = e.attempts + f.charge, status = f.status, \
                         next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
-                        last_error = f.error \
-                 FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[]) \
-                      AS f(seq, status, delay_ms, error, charge) \
+                        last_error = f.error, outcome = f.outcome::jsonb \
+                 FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[], $6::text[]) \
+                      AS f(seq, status, delay_ms, error, charge, outcome) \
                  WHERE e.seq = f.seq"
             )),
         }

@@ -1,8 +1,4 @@
-use std::time::Duration;
-
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-
-use super::RelayConfig;
 
 /// Whose failure a failed publish is, and whether retrying it can succeed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,27 +60,6 @@ pub(crate) fn classify(error: &KafkaError) -> FailureKind {
     }
 }
 
-/// Longest pause before a row whose partition was out is tried again. Each try costs the
-/// batch up to `message.timeout.ms` of waiting, so this also bounds how much of the relay's
-/// time one partition's outage takes from the others.
-const OUTAGE_WAIT_MAX: Duration = Duration::from_secs(30);
-
-/// Delay before a row whose partition was out is tried again: `backoff_max`, at most
-/// [`OUTAGE_WAIT_MAX`], with jitter. It does not grow with the outage: the partition may
-/// come back at any time, and the row must follow soon after.
-pub(crate) fn outage_wait(config: &RelayConfig) -> Duration {
-    outbox_core::backoff(
-        config.backoff_max.min(OUTAGE_WAIT_MAX),
-        config.backoff_max.min(OUTAGE_WAIT_MAX),
-        0,
-    )
-}
-
-/// Delay before retry number `attempts + 1` (see [`outbox_core::backoff`]).
-pub(crate) fn backoff(config: &RelayConfig, attempts: u32) -> Duration {
-    outbox_core::backoff(config.backoff_base, config.backoff_max, attempts)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,21 +92,5 @@ mod tests {
             classify(&e(RDKafkaErrorCode::LeaderNotAvailable)),
             FailureKind::Outage
         );
-    }
-
-    #[test]
-    fn backoff_grows_jitters_and_caps() {
-        let config =
-            RelayConfig::default().backoff(Duration::from_millis(100), Duration::from_secs(1));
-        for attempts in 0..40 {
-            let cap = Duration::from_millis(100 * 2_u64.saturating_pow(attempts))
-                .min(Duration::from_secs(1));
-            let d = backoff(&config, attempts);
-            assert!(
-                d >= cap / 2 && d < cap,
-                "attempt {attempts}: {d:?} not in [{:?}, {cap:?})",
-                cap / 2
-            );
-        }
     }
 }

@@ -56,50 +56,36 @@
 //! [`ProducerError::FatalProducer`], to be restarted with a new producer.
 
 mod config;
+mod destination;
 mod failure;
-mod grace;
 mod kafka;
 mod outages;
 mod publish;
-mod record;
 mod row;
-mod run_loop;
-mod stats_export;
-mod transaction;
 
-use std::collections::HashMap;
-#[cfg(feature = "fault-injection")]
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use rdkafka::ClientConfig;
 use rdkafka::client::{ClientContext, DefaultClientContext};
-use rdkafka::producer::{FutureProducer, Producer};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{AfterPublish, QuarantinePolicy, RelayConfig};
-use kafka::TopicAnswer;
 pub use kafka::producer_config;
 
 use crate::ProducerError;
-use crate::sql::RelaySql;
-use failure::{FailureKind, classify, outage_wait};
-use outages::Outages;
-use outbox_core::{LastClientError as LastError, RecordingContext as RelayContext};
-use publish::Outcome;
-use row::OutboxRow;
+use crate::lane::{Lane, LaneMetrics, LaneRows};
+use destination::Kafka;
+use outbox_core::RecordingContext as RelayContext;
 
-/// How long the relay waits for a broker to answer after a batch failed with no answer.
-const BROKER_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// What one [`Relay::run_once`] did.
+/// What one [`Relay::run_once`] (or `Dispatcher::run_once`) did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchReport {
-    /// Rows claimed for publishing.
+    /// Rows claimed.
     pub claimed: usize,
-    /// Rows acknowledged by Kafka and marked published (or deleted).
+    /// Rows acknowledged by Kafka (a dispatcher's: performed by its executor) and marked
+    /// published (or deleted).
     pub published: usize,
     /// Rows that failed and will be retried.
     pub retried: usize,
@@ -107,14 +93,15 @@ pub struct BatchReport {
     pub quarantined: usize,
     /// Rows not sent because an earlier row of their aggregate failed in this batch.
     pub deferred: usize,
-    /// Rows left pending exactly as they were (no attempt charged): no broker answered for
-    /// them, or shutdown's grace period ended before their delivery report.
+    /// Rows left pending exactly as they were (no attempt charged): the destination did not
+    /// answer for them, or shutdown's grace period ended before their answer.
     pub unconfirmed: usize,
-    /// Rows whose partition could not take writes while the cluster answered (no leader,
-    /// too few in-sync replicas): left pending with no attempt charged, tried again after a
-    /// pause.
+    /// Rows whose destination could not take them while it answered (a partition with no
+    /// leader or too few in-sync replicas; an executor's `Unavailable` while other calls
+    /// were answered): left pending with no attempt charged, tried again after a pause.
     pub waiting: usize,
-    /// No broker answered: the batch's failures were the relay's, not its rows'.
+    /// The destination did not answer at all (no broker; no call answered): the batch's
+    /// failures were the lane's, not its rows'.
     pub broker_unreachable: bool,
 }
 
@@ -124,40 +111,21 @@ pub struct BatchReport {
 /// `C` is the producer's client context: the application's, for what it provides to the
 /// client (an OAUTHBEARER token, its own logging), through [`Relay::with_context`].
 pub struct Relay<C: ClientContext + 'static = DefaultClientContext> {
-    inner: Arc<Inner<C>>,
+    lane: Arc<Lane<Kafka<C>>>,
 }
 
 impl<C: ClientContext + 'static> Clone for Relay<C> {
     fn clone(&self) -> Self {
         Self {
-            inner: Arc::clone(&self.inner),
+            lane: Arc::clone(&self.lane),
         }
-    }
-}
-
-struct Inner<C: ClientContext + 'static> {
-    pool: PgPool,
-    producer: FutureProducer<RelayContext<C>>,
-    /// What the producer's context last heard from librdkafka.
-    client_error: LastError,
-    config: RelayConfig,
-    sql: RelaySql,
-    /// Partitions known to be out, and partition counts, across batches.
-    outages: Mutex<Outages>,
-    #[cfg(feature = "fault-injection")]
-    crash_after_ack: AtomicBool,
-}
-
-impl<C: ClientContext + 'static> Inner<C> {
-    fn outages(&self) -> MutexGuard<'_, Outages> {
-        self.outages.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 impl<C: ClientContext + 'static> std::fmt::Debug for Relay<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Relay")
-            .field("config", &self.inner.config)
+            .field("config", &self.lane.config)
             .finish_non_exhaustive()
     }
 }
@@ -190,28 +158,20 @@ impl<C: ClientContext + 'static> Relay<C> {
         let context = RelayContext::new(context);
         let client_error = context.last_error();
         let producer = outbox_core::kafka_secrets::create_with_context(&kafka, context)?;
-        let needed = 1 + u32::from(config.listen);
-        let max = pool.options().get_max_connections();
-        if max < needed {
-            // With fewer, `run` would wait on the pool for the connection its listener holds.
-            return Err(ProducerError::Config(format!(
-                "the relay needs a pool of at least {needed} connections (one for its batch{}), \
-                 this one has {max}",
-                if config.listen { ", one to LISTEN" } else { "" }
-            )));
-        }
-        let sql = RelaySql::new(&config.tables.outbox, config.quarantine_policy);
+        let table = config.tables.outbox.as_str().to_owned();
+        let metrics = LaneMetrics {
+            done: "outbox_relay_published_total",
+            failed: "outbox_relay_failed_total",
+            quarantined: "outbox_relay_quarantined_total",
+            unconfirmed: "outbox_relay_unconfirmed_total",
+            waiting: "outbox_relay_waiting_total",
+            latency: "outbox_relay_publish_latency_seconds",
+            labels: vec![("table", table.clone())],
+        };
+        let destination = Kafka::new(producer, client_error, &config);
+        let lane = Lane::new(pool, config, &LaneRows::Relay, destination, metrics, 1)?;
         Ok(Self {
-            inner: Arc::new(Inner {
-                pool,
-                producer,
-                client_error,
-                config,
-                sql,
-                outages: Mutex::default(),
-                #[cfg(feature = "fault-injection")]
-                crash_after_ack: AtomicBool::new(false),
-            }),
+            lane: Arc::new(lane),
         })
     }
 
@@ -220,24 +180,24 @@ impl<C: ClientContext + 'static> Relay<C> {
     /// [`BatchReport::broker_unreachable`] is set. Never a secret: librdkafka names the
     /// mechanism and the step that failed.
     pub fn last_client_error(&self) -> Option<String> {
-        self.inner.client_error.get()
+        self.lane.destination.client_error.get()
     }
 
     /// The configuration.
     pub fn config(&self) -> &RelayConfig {
-        &self.inner.config
+        &self.lane.config
     }
 
     /// Makes the next batch fail after Kafka acknowledged it and before the rows are marked,
     /// as a crash there would. For tests.
     #[cfg(feature = "fault-injection")]
     pub fn crash_after_next_ack(&self) {
-        self.inner.crash_after_ack.store(true, Ordering::SeqCst);
+        self.lane.destination.crash_after_next_ack();
     }
 
     /// Claims, publishes and marks one batch. Tests drive the relay with this.
     pub async fn run_once(&self) -> Result<BatchReport, ProducerError> {
-        self.run_batch(true, &CancellationToken::new()).await
+        self.lane.run_batch(true, &CancellationToken::new()).await
     }
 
     /// Claims and marks one batch as published **without sending it**: the relay's own SQL
@@ -245,168 +205,24 @@ impl<C: ClientContext + 'static> Relay<C> {
     #[cfg(feature = "bench")]
     #[doc(hidden)]
     pub async fn run_once_without_publishing(&self) -> Result<BatchReport, ProducerError> {
-        self.run_batch(false, &CancellationToken::new()).await
+        self.lane.run_batch(false, &CancellationToken::new()).await
     }
 
-    /// One batch; `expired` ends the wait for delivery reports (shutdown's grace period).
-    async fn run_batch(
-        &self,
-        publish: bool,
-        expired: &CancellationToken,
-    ) -> Result<BatchReport, ProducerError> {
-        let inner = &*self.inner;
-        let mut tx = transaction::begin(&inner.pool).await?;
-        // Not a named prepared statement: after five runs Postgres may switch one to a generic
-        // plan, and the claim's generic plan scanned the backlog (18 s per batch at 10M
-        // pending, bench P7); an unnamed statement is planned with its parameter every time.
-        let rows: Vec<OutboxRow> = sqlx::query_as(inner.sql.claim.clone())
-            .bind(i64::from(inner.config.batch_size))
-            .persistent(false)
-            .fetch_all(&mut *tx)
-            .await?;
-        if rows.is_empty() {
-            tx.commit().await?;
-            return Ok(BatchReport::default());
-        }
-        let (outcomes, answers) = if publish {
-            let gate = inner.outages().gate(&rows);
-            // The questions to the cluster run inside the keep-alive too: they can take
-            // seconds, and the transaction must not sit idle meanwhile.
-            let work = async {
-                let outcomes = publish::publish(&inner.producer, &rows, &gate, expired).await;
-                let answers = ask_about_failures(inner, &rows, &outcomes).await;
-                (outcomes, answers)
-            };
-            transaction::keep_alive(&mut tx, work).await?
-        } else {
-            (
-                rows.iter().map(|_| Outcome::Delivered(-1)).collect(),
-                HashMap::new(),
-            )
-        };
-        if let Some((code, reason)) = inner.producer.client().fatal_error() {
-            // Every send now fails: recording those failures would walk healthy rows to
-            // quarantine. Dropping the transaction leaves the batch pending, untouched.
-            return Err(ProducerError::FatalProducer { code, reason });
-        }
-        #[cfg(feature = "fault-injection")]
-        if inner.crash_after_ack.swap(false, Ordering::SeqCst) {
-            // Dropping the transaction rolls it back, exactly as a dead process would.
-            return Err(ProducerError::InjectedFault(
-                "crash after ack, before marking",
-            ));
-        }
-        if publish {
-            learn(inner, &rows, &outcomes, &answers);
-        }
-        let report = record::record(
-            &mut tx,
-            &inner.config,
-            &inner.sql,
-            &rows,
-            outcomes,
-            &answers,
-        )
-        .await?;
-        tx.commit().await?;
-        tracing::debug!(
-            claimed = report.claimed,
-            published = report.published,
-            retried = report.retried,
-            quarantined = report.quarantined,
-            deferred = report.deferred,
-            unconfirmed = report.unconfirmed,
-            waiting = report.waiting,
-            "relay batch"
-        );
-        Ok(report)
+    /// Runs batches until `shutdown` is cancelled: immediately while batches come back full,
+    /// otherwise on a `NOTIFY` from a committing writer or every `poll_interval`.
+    ///
+    /// When no broker answers, the relay stops claiming and asks the cluster every second
+    /// whether it is back; the rows keep their attempt counts, however long the outage.
+    ///
+    /// Shutdown takes at most `shutdown_timeout` from the signal: a batch in flight is
+    /// recorded with what was acknowledged by then (the rest stays pending and is published
+    /// again later, same event ids), then the producer is flushed with what time is left. A
+    /// batch the database does not answer for is left to finish or roll back on its own
+    /// (half a second past `shutdown_timeout`): its rows stay pending until then.
+    ///
+    /// Returns [`ProducerError::FatalProducer`] when the producer can no longer be used;
+    /// restart the relay with a new producer (its rows are still pending).
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), ProducerError> {
+        self.lane.run(shutdown).await
     }
-}
-
-/// What the cluster says about each topic with a record that went unanswered (whether it
-/// answers at all; whether the topic is there), or that failed for its partition while the
-/// topic's partition count is not known: one metadata request within one deadline,
-/// [`BROKER_CHECK_TIMEOUT`]. Partition counts are kept for the next batches.
-async fn ask_about_failures<C: ClientContext + 'static>(
-    inner: &Inner<C>,
-    rows: &[OutboxRow],
-    outcomes: &[Outcome],
-) -> HashMap<String, TopicAnswer> {
-    let mut topics: Vec<String> = Vec::new();
-    {
-        let outages = inner.outages();
-        for (row, outcome) in rows.iter().zip(outcomes) {
-            let ask = match outcome {
-                Outcome::Failed(e, _) => match classify(e) {
-                    FailureKind::NoAnswer => true,
-                    FailureKind::Outage => !outages.knows_partitions_of(&row.topic),
-                    _ => false,
-                },
-                _ => false,
-            };
-            if ask && !topics.contains(&row.topic) {
-                topics.push(row.topic.clone());
-            }
-        }
-    }
-    if topics.is_empty() {
-        return HashMap::new();
-    }
-    let answers = kafka::ask_about(&inner.producer, topics, BROKER_CHECK_TIMEOUT).await;
-    let mut outages = inner.outages();
-    for (topic, answer) in &answers {
-        if let TopicAnswer::Known(count) = answer {
-            outages.set_partition_count(topic, *count);
-        }
-    }
-    answers
-}
-
-/// Learns from a batch's outcomes which partitions are out (a record failed there for its
-/// partition) and which take writes again (a record was acknowledged there).
-fn learn<C: ClientContext + 'static>(
-    inner: &Inner<C>,
-    rows: &[OutboxRow],
-    outcomes: &[Outcome],
-    answers: &HashMap<String, TopicAnswer>,
-) {
-    let mut outages = inner.outages();
-    let now = std::time::Instant::now();
-    for (row, outcome) in rows.iter().zip(outcomes) {
-        match outcome {
-            Outcome::Delivered(partition) => {
-                if outages.mark_up(&row.topic, *partition) {
-                    tracing::info!(topic = %outbox_core::escape(&row.topic), partition, "partition takes writes again");
-                }
-                if outages
-                    .partition_of(row)
-                    .is_some_and(|computed| computed != *partition)
-                {
-                    // The topic has more partitions than the relay knew.
-                    outages.forget_partition_count(&row.topic);
-                }
-            }
-            Outcome::Failed(error, partition) => {
-                let outage = match classify(error) {
-                    FailureKind::Outage => true,
-                    FailureKind::NoAnswer => {
-                        matches!(answers.get(&row.topic), Some(TopicAnswer::Known(_)))
-                    }
-                    _ => false,
-                };
-                if let Some(partition) = partition
-                    .or_else(|| outages.partition_of(row))
-                    .filter(|_| outage)
-                {
-                    let wait = outage_wait(&inner.config);
-                    tracing::warn!(topic = %outbox_core::escape(&row.topic), partition, probe_in = ?wait, %error, "partition out: its rows wait unsent until a probe is acknowledged");
-                    outages.mark_out(&row.topic, partition, now + wait);
-                }
-            }
-            _ => {}
-        }
-    }
-    #[allow(clippy::cast_precision_loss)]
-    metrics::gauge!("outbox_relay_partitions_out", "table" => inner.config.tables.outbox.as_str().to_owned())
-        .set(outages.len() as f64);
 }

@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::row::OutboxRow;
+use crate::lane::OutboxRow;
 
 /// What the relay knows about partitions, kept across batches.
 #[derive(Debug, Default)]

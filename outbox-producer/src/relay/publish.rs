@@ -14,8 +14,6 @@
 //! A row whose partition the relay knows to be out is not sent (see [`super::outages`]): it
 //! stops its chain like a failure, and costs the batch no wait.
 
-use std::collections::HashMap;
-
 use futures::future::join_all;
 use rdkafka::client::ClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -23,7 +21,8 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
 
 use super::outages::Gate;
-use super::row::{OutboxRow, RowDefect};
+use super::row::RowDefect;
+use crate::lane::{OutboxRow, chains};
 
 /// What became of one row of a batch.
 pub(crate) enum Outcome {
@@ -39,21 +38,6 @@ pub(crate) enum Outcome {
     Deferred,
     /// Shutdown's grace period ended before its delivery report came.
     Unconfirmed,
-}
-
-/// The batch's rows grouped by aggregate, each group in sequence order.
-fn chains(rows: &[OutboxRow]) -> Vec<Vec<usize>> {
-    let mut index: HashMap<(&str, &str), usize> = HashMap::new();
-    let mut chains: Vec<Vec<usize>> = Vec::new();
-    for (i, row) in rows.iter().enumerate() {
-        let key = (row.aggregatetype.as_str(), row.aggregateid.as_str());
-        let n = *index.entry(key).or_insert_with(|| {
-            chains.push(Vec::new());
-            chains.len() - 1
-        });
-        chains[n].push(i);
-    }
-    chains
 }
 
 /// Hands `row` to the producer.
@@ -186,39 +170,4 @@ pub(crate) async fn publish<C: ClientContext + 'static>(
         .into_iter()
         .map(|o| o.unwrap_or_else(unsent))
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use chrono::Utc;
-    use outbox_core::EventId;
-    use sqlx::types::Json;
-
-    fn row(kind: &str, key: &str, topic: &str) -> OutboxRow {
-        OutboxRow {
-            seq: 0,
-            id: EventId::new(),
-            aggregatetype: kind.into(),
-            aggregateid: key.into(),
-            event_type: "T".into(),
-            payload: "{}".into(),
-            headers: Json(serde_json::json!({})),
-            topic: topic.into(),
-            created_at: Utc::now(),
-            attempts: 0,
-        }
-    }
-
-    #[test]
-    fn an_aggregate_is_its_type_and_id() {
-        let rows = [
-            row("invoice", "a", "t1"),
-            row("invoice", "b", "t1"),
-            row("invoice", "a", "t2"),
-            row("customer", "a", "t1"),
-            row("invoice", "a", "t1"),
-        ];
-        assert_eq!(chains(&rows), [vec![0, 2, 4], vec![1], vec![3]]);
-    }
 }

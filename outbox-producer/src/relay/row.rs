@@ -1,27 +1,9 @@
-//! A claimed outbox row and the Kafka record it becomes.
+//! The Kafka record a claimed outbox row becomes.
 
-use chrono::{DateTime, Utc};
-use outbox_core::{EventId, wire};
+use outbox_core::wire;
 use rdkafka::message::{Header, OwnedHeaders};
-use sqlx::types::Json;
 
-/// One claimed outbox row. `headers` is read as any JSON (the column allows any JSONB, and
-/// other writers share the table), so a malformed value fails its own row when it is sent,
-/// never the claim of the whole batch.
-#[derive(Debug, sqlx::FromRow)]
-pub(crate) struct OutboxRow {
-    pub(crate) seq: i64,
-    pub(crate) id: EventId,
-    pub(crate) aggregatetype: String,
-    pub(crate) aggregateid: String,
-    #[sqlx(rename = "type")]
-    pub(crate) event_type: String,
-    pub(crate) payload: String,
-    pub(crate) headers: Json<serde_json::Value>,
-    pub(crate) topic: String,
-    pub(crate) created_at: DateTime<Utc>,
-    pub(crate) attempts: i32,
-}
+use crate::lane::OutboxRow;
 
 /// Why a row cannot become a record under the wire contract: the row's own, permanent failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -87,20 +69,12 @@ mod tests {
     use super::*;
     use rdkafka::message::Headers;
     use serde_json::json;
+    use sqlx::types::Json;
 
     fn row(headers: serde_json::Value) -> OutboxRow {
-        OutboxRow {
-            seq: 1,
-            id: EventId::new(),
-            aggregatetype: "order".into(),
-            aggregateid: "k".into(),
-            event_type: "T".into(),
-            payload: "{}".into(),
-            headers: Json(headers),
-            topic: "t".into(),
-            created_at: Utc::now(),
-            attempts: 0,
-        }
+        let mut row = crate::lane::test_row("order", "k", "t");
+        row.headers = Json(headers);
+        row
     }
 
     #[test]

@@ -1,19 +1,19 @@
-//! The relay's depth, lag and quarantine gauges, refreshed on their own task so that reading
+//! The outbox's depth, lag and quarantine gauges, refreshed on their own task so that reading
 //! them never delays a batch.
 
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use rdkafka::client::ClientContext;
+use std::sync::Arc;
 
-use super::Relay;
+use super::{Destination, Lane};
 
-/// How often [`Relay::run`] refreshes the gauges.
+/// How often [`Lane::run`] refreshes the gauges.
 const STATS_INTERVAL: Duration = Duration::from_secs(5);
 
-impl<C: ClientContext + 'static> Relay<C> {
-    pub(super) async fn export_stats_until(self, shutdown: CancellationToken) {
+impl<D: Destination> Lane<D> {
+    pub(super) async fn export_stats_until(self: Arc<Self>, shutdown: CancellationToken) {
         loop {
             self.export_stats().await;
             tokio::select! {
@@ -25,9 +25,9 @@ impl<C: ClientContext + 'static> Relay<C> {
 
     /// Sets the gauges (a failure only skips this export).
     async fn export_stats(&self) {
-        let tables = &self.inner.config.tables;
+        let tables = &self.config.tables;
         let stats = async {
-            let mut conn = self.inner.pool.acquire().await?;
+            let mut conn = self.pool.acquire().await?;
             crate::stats(&mut conn, tables).await
         };
         match stats.await {

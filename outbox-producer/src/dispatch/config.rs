@@ -1,0 +1,118 @@
+use std::time::Duration;
+
+use outbox_core::TableNames;
+
+use crate::relay::{AfterPublish, QuarantinePolicy, RelayConfig};
+
+/// Settings of a [`super::Dispatcher`].
+///
+/// Claiming, retrying, quarantining, waking up and shutting down work as the relay's do, with
+/// the same settings ([`RelayConfig`], in [`Self::lane`]); a dispatcher's batches are smaller
+/// by default (16 rows), and several run side by side (`max_in_flight / batch_size`, rounded
+/// up), so that a slow call holds back the record of at most its own batch.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DispatcherConfig {
+    /// The destination whose actions this dispatcher performs (`NewEvent::for_dispatcher`).
+    pub destination: String,
+    /// Most calls in flight at once, across keys (a key's actions run one at a time).
+    pub max_in_flight: usize,
+    /// Longest call: a call without an answer by then counts as [`super::Outcome::Retry`]
+    /// (its outcome is unknown; it is made again with the same key).
+    pub call_timeout: Duration,
+    /// Claim, retry, quarantine, wake-up and shutdown settings, as the relay's.
+    /// `after_publish` must stay [`AfterPublish::Mark`]: a done action keeps its outcome
+    /// until it is pruned.
+    pub lane: RelayConfig,
+}
+
+impl DispatcherConfig {
+    /// The defaults for `destination`: 64 calls in flight, 30 s per call, batches of 16, up to
+    /// 10 attempts with backoff from 500 ms to 5 minutes.
+    pub fn new(destination: impl Into<String>) -> Self {
+        Self {
+            destination: destination.into(),
+            max_in_flight: 64,
+            call_timeout: Duration::from_secs(30),
+            lane: RelayConfig::default().batch_size(16),
+        }
+    }
+
+    /// Sets [`Self::max_in_flight`].
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+    /// Sets [`Self::call_timeout`].
+    pub fn call_timeout(mut self, d: Duration) -> Self {
+        self.call_timeout = d;
+        self
+    }
+    /// Sets the rows claimed per batch ([`RelayConfig::batch_size`]).
+    pub fn batch_size(mut self, n: u32) -> Self {
+        self.lane.batch_size = n;
+        self
+    }
+    /// Sets [`RelayConfig::max_attempts`].
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.lane.max_attempts = n;
+        self
+    }
+    /// Sets [`RelayConfig::backoff_base`] and [`RelayConfig::backoff_max`].
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.lane = self.lane.backoff(base, max);
+        self
+    }
+    /// Sets [`RelayConfig::poll_interval`].
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.lane.poll_interval = d;
+        self
+    }
+    /// Sets [`RelayConfig::listen`].
+    pub fn listen(mut self, on: bool) -> Self {
+        self.lane.listen = on;
+        self
+    }
+    /// Sets [`RelayConfig::quarantine_policy`].
+    pub fn quarantine_policy(mut self, policy: QuarantinePolicy) -> Self {
+        self.lane.quarantine_policy = policy;
+        self
+    }
+    /// Sets [`RelayConfig::tables`].
+    pub fn tables(mut self, tables: TableNames) -> Self {
+        self.lane.tables = tables;
+        self
+    }
+    /// Sets [`RelayConfig::shutdown_timeout`].
+    pub fn shutdown_timeout(mut self, d: Duration) -> Self {
+        self.lane.shutdown_timeout = d;
+        self
+    }
+
+    /// Batches run side by side.
+    pub(crate) fn workers(&self) -> usize {
+        let batch = usize::try_from(self.lane.batch_size)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        self.max_in_flight.div_ceil(batch).max(1)
+    }
+
+    pub(crate) fn validate(&self) -> Result<String, crate::ProducerError> {
+        let bad = |m: String| Err(crate::ProducerError::Config(m));
+        let topic = outbox_core::wire::dispatch_topic(&self.destination)?;
+        if self.max_in_flight == 0 {
+            return bad("max_in_flight must be at least 1".into());
+        }
+        if self.call_timeout.is_zero() {
+            return bad("call_timeout must be more than zero".into());
+        }
+        if self.lane.after_publish != AfterPublish::Mark {
+            return bad(
+                "a dispatcher keeps done actions (after_publish = Mark): their outcomes are \
+                 read back until they are pruned"
+                    .into(),
+            );
+        }
+        Ok(topic)
+    }
+}

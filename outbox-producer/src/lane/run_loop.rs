@@ -1,0 +1,214 @@
+//! [`Lane::run`]: batches until shutdown, waiting out a destination that does not answer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use sqlx::postgres::PgListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::grace::Grace;
+use super::{Destination, Lane};
+use crate::ProducerError;
+use crate::relay::BatchReport;
+
+/// After shutdown's grace period, how long a batch may still take to record what the
+/// destination acknowledged before [`Lane::run`] returns without it.
+const SHUTDOWN_DB_MARGIN: Duration = Duration::from_millis(500);
+
+/// Longest pause after a failed batch (database unreachable).
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+impl<D: Destination> Lane<D> {
+    /// Runs batches until `shutdown` is cancelled, `workers` side by side: immediately while
+    /// batches come back full, otherwise on a `NOTIFY` from a committing writer or every
+    /// `poll_interval`. When the destination does not answer, a worker stops claiming until
+    /// [`Destination::wait_until_answers`] returns; the rows keep their attempt counts.
+    ///
+    /// Shutdown takes at most `shutdown_timeout` from the signal: a batch in flight is
+    /// recorded with what was acknowledged by then (the rest stays pending), then the
+    /// destination finishes with what time is left. A batch the database does not answer for
+    /// is left to finish or roll back on its own (half a second past `shutdown_timeout`).
+    /// A fatal error of one worker stops them all and is returned.
+    pub(crate) async fn run(
+        self: &Arc<Self>,
+        shutdown: CancellationToken,
+    ) -> Result<(), ProducerError> {
+        let grace = Grace::start(shutdown.clone(), self.config.shutdown_timeout);
+        // A fatal error of one worker stops the others.
+        let stop = shutdown.child_token();
+        let stats = tokio::spawn(Arc::clone(self).export_stats_until(stop.clone()));
+        // Held until the workers are done, so that a worker's `changed()` never fails.
+        let (wake, woken) = watch::channel(0_u64);
+        let wake = Arc::new(wake);
+        let listener = self
+            .config
+            .listen
+            .then(|| tokio::spawn(Arc::clone(self).listen_until(Arc::clone(&wake), stop.clone())));
+        let results = join_all((0..self.workers).map(|_| {
+            let (lane, stop, expired, woken) = (
+                Arc::clone(self),
+                stop.clone(),
+                grace.expired.clone(),
+                woken.clone(),
+            );
+            async move {
+                let result = lane.work(&stop, &expired, woken).await;
+                if result.is_err() {
+                    stop.cancel();
+                }
+                result
+            }
+        }))
+        .await;
+        stats.abort();
+        if let Some(listener) = listener {
+            listener.abort();
+        }
+        results.into_iter().collect::<Result<Vec<()>, _>>()?;
+        self.destination
+            .finish(grace.remaining(self.config.shutdown_timeout))
+            .await
+    }
+
+    /// One worker: batches until `stop`.
+    async fn work(
+        self: &Arc<Self>,
+        stop: &CancellationToken,
+        expired: &CancellationToken,
+        mut woken: watch::Receiver<u64>,
+    ) -> Result<(), ProducerError> {
+        let mut failures = 0_u32;
+        loop {
+            if stop.is_cancelled() {
+                return Ok(());
+            }
+            let Some(batch) = self.bounded_batch(expired).await else {
+                tracing::warn!(
+                    "shutdown: the database did not answer within shutdown_timeout; the batch \
+                     finishes or rolls back on its own, its rows stay pending until then"
+                );
+                return Ok(());
+            };
+            match batch {
+                Ok(report) if report.broker_unreachable => {
+                    failures = 0;
+                    tracing::warn!(
+                        left_pending = report.unconfirmed,
+                        cause = self.destination.last_error(),
+                        "the destination does not answer; waiting for it without charging rows"
+                    );
+                    self.destination.wait_until_answers(stop).await;
+                    continue;
+                }
+                Ok(BatchReport { claimed, .. }) => {
+                    failures = 0;
+                    if claimed >= self.config.batch_size as usize {
+                        continue;
+                    }
+                }
+                Err(error @ ProducerError::FatalProducer { .. }) => {
+                    tracing::error!(%error, "outbox lane stops: its destination is unusable");
+                    return Err(error);
+                }
+                Err(error) => {
+                    failures = failures.saturating_add(1);
+                    // The database is down: retry soon enough to notice it is back.
+                    let delay =
+                        outbox_core::backoff(self.config.backoff_base, RETRY_MAX, failures - 1);
+                    tracing::warn!(%error, retry_in = ?delay, "outbox batch failed");
+                    tokio::select! {
+                        () = stop.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(delay) => continue,
+                    }
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return Ok(()),
+                () = tokio::time::sleep(self.config.poll_interval) => {}
+                // A commit notified since this worker last looked (also during its batch).
+                _ = woken.changed() => {}
+            }
+        }
+    }
+
+    /// One batch, on a task of its own. Until shutdown it runs to the end; after the signal,
+    /// it has until the grace period's end (plus [`SHUTDOWN_DB_MARGIN`] to record what was
+    /// acknowledged by then). A batch still waiting on the database then is left to its task,
+    /// never cancelled mid-statement (a future dropped inside `begin()` or a query can put a
+    /// connection back in the pool with its transaction open): it commits or rolls back when
+    /// the database answers, or its connection dies with the process. `None` if it was left.
+    async fn bounded_batch(
+        self: &Arc<Self>,
+        expired: &CancellationToken,
+    ) -> Option<Result<BatchReport, ProducerError>> {
+        let mut batch = tokio::spawn({
+            let (lane, expired) = (Arc::clone(self), expired.clone());
+            async move { lane.run_batch(true, &expired).await }.in_current_span()
+        });
+        let deadline = async {
+            expired.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_DB_MARGIN).await;
+        };
+        tokio::select! {
+            joined = &mut batch => Some(match joined {
+                Ok(result) => result,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => Err(ProducerError::Config(format!("outbox batch task failed: {e}"))),
+            }),
+            () = deadline => None,
+        }
+    }
+
+    /// Listens for the table's commit notifications and wakes the workers, reconnecting
+    /// after a failure (the workers poll meanwhile).
+    async fn listen_until(self: Arc<Self>, wake: Arc<watch::Sender<u64>>, stop: CancellationToken) {
+        loop {
+            // Connecting holds no transaction: safe to drop on shutdown.
+            let listener = tokio::select! {
+                () = stop.cancelled() => return,
+                listener = self.listen() => listener,
+            };
+            if let Some(mut listener) = listener {
+                loop {
+                    let notified = tokio::select! {
+                        () = stop.cancelled() => return,
+                        notified = listener.recv() => notified,
+                    };
+                    if let Err(error) = notified {
+                        tracing::warn!(%error, "outbox listener failed; polling until it reconnects");
+                        break;
+                    }
+                    while listener.next_buffered().is_some() {}
+                    wake.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(self.config.poll_interval) => {}
+            }
+        }
+    }
+
+    async fn listen(&self) -> Option<PgListener> {
+        let listen = async {
+            let channel: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT {}",
+                crate::sql::channel_sql(&self.config.tables.outbox)
+            )))
+            .fetch_one(&self.pool)
+            .await?;
+            let mut listener = PgListener::connect_with(&self.pool).await?;
+            listener.listen(&channel).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        listen
+            .await
+            .inspect_err(
+                |error| tracing::warn!(%error, "cannot LISTEN for outbox commits; polling only"),
+            )
+            .ok()
+    }
+}

@@ -101,7 +101,9 @@ impl<E: Executor> Calls<E> {
         };
         let call = tokio::time::timeout(
             self.config.call_timeout,
-            AssertUnwindSafe(self.executor.execute(action)).catch_unwind(),
+            // Inside the async block, so that an executor that panics before it returns its
+            // future is caught too.
+            AssertUnwindSafe(async { self.executor.execute(action).await }).catch_unwind(),
         );
         // Dropping a call in flight at the end of the grace period may leave its effect
         // applied and unrecorded: the action stays pending and is called again, same key.

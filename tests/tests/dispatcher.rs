@@ -1,0 +1,493 @@
+//! The dispatcher against the real PostgreSQL: per-key order across dispatchers, a slow key
+//! beside fast ones, a destination that does not answer, rejections, timeouts, panics, a
+//! crash between the call and the record, and a relay serving the same table. The executors
+//! here are plain async functions over an in-memory ledger with the idempotency semantics of
+//! a payment API; `examples/tests` drives the HTTP executor against a real HTTP server.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_producer::dispatch::{
+    Action, ActionState, Dispatcher, DispatcherConfig, Outcome, outcome,
+};
+use outbox_producer::{EventId, NewEvent, Relay, RelayConfig, TableNames, producer_config};
+use outbox_tests::{TestDb, count_status, eventually, kafka_bootstrap};
+use rand::Rng;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// What the destination applied: each idempotency key once, and each key's payloads `n` in
+/// the order they were applied.
+#[derive(Debug, Default)]
+struct Ledger {
+    calls: AtomicUsize,
+    applied: Mutex<HashMap<String, serde_json::Value>>,
+    order: Mutex<BTreeMap<String, Vec<i64>>>,
+}
+
+impl Ledger {
+    /// Applies `action` once per idempotency key; a repeat gets the first answer back.
+    fn apply(&self, action: &Action) -> serde_json::Value {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut applied = self.applied.lock().expect("ledger");
+        if let Some(answer) = applied.get(&action.idempotency_key()) {
+            return answer.clone();
+        }
+        let n = action.payload["n"].as_i64().unwrap_or(-1);
+        self.order
+            .lock()
+            .expect("ledger")
+            .entry(action.key.clone())
+            .or_default()
+            .push(n);
+        let answer = json!({ "charge": format!("ch_{}", applied.len() + 1), "n": n });
+        applied.insert(action.idempotency_key(), answer.clone());
+        answer
+    }
+
+    fn charges(&self) -> usize {
+        self.applied.lock().expect("ledger").len()
+    }
+}
+
+fn action(key: &str, n: i64) -> Result<NewEvent> {
+    Ok(
+        NewEvent::new("task", key, "Charge", &json!({ "key": key, "n": n }))?
+            .for_dispatcher("billing")?,
+    )
+}
+
+async fn enqueue(db: &TestDb, events: &[NewEvent]) -> Result<Vec<EventId>> {
+    let mut tx = db.pool.begin().await?;
+    let ids = outbox_producer::enqueue_all(&mut tx, events).await?;
+    tx.commit().await?;
+    Ok(ids)
+}
+
+fn config() -> DispatcherConfig {
+    DispatcherConfig::new("billing")
+        .backoff(Duration::from_millis(10), Duration::from_millis(100))
+        .poll_interval(Duration::from_millis(50))
+        .shutdown_timeout(Duration::from_secs(5))
+}
+
+async fn state(db: &TestDb, id: EventId) -> Result<Option<ActionState>> {
+    let mut conn = db.pool.acquire().await?;
+    Ok(outcome(&mut conn, &TableNames::default(), id).await?)
+}
+
+async fn dispatched(db: &TestDb) -> Result<i64> {
+    count_status(&db.pool, "published").await
+}
+
+#[tokio::test]
+async fn several_dispatchers_perform_every_action_once_in_key_order() -> Result<()> {
+    let db = TestDb::with_pool_size(24).await?;
+    let (keys, per_key) = (150, 4);
+    let mut events = Vec::new();
+    for n in 0..per_key {
+        for k in 0..keys {
+            events.push(action(&format!("k{k}"), n)?);
+        }
+    }
+    let ids = enqueue(&db, &events).await?;
+    let ledger = Arc::new(Ledger::default());
+    let executor = {
+        let ledger = ledger.clone();
+        move |action: Action| {
+            let ledger = ledger.clone();
+            async move {
+                let ms = rand::rng().random_range(0..4);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Outcome::done(ledger.apply(&action))
+            }
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let dispatcher = Dispatcher::new(
+            db.pool.clone(),
+            config().max_in_flight(16).batch_size(8),
+            executor.clone(),
+        )?;
+        let shutdown = shutdown.clone();
+        runs.push(tokio::spawn(async move { dispatcher.run(shutdown).await }));
+    }
+    let total = i64::try_from(events.len())?;
+    eventually("every action done", WAIT, || async {
+        Ok(dispatched(&db).await? == total)
+    })
+    .await?;
+    shutdown.cancel();
+    for run in runs {
+        run.await??;
+    }
+    assert_eq!(ledger.charges(), events.len());
+    assert_eq!(
+        ledger.calls.load(Ordering::SeqCst),
+        events.len(),
+        "no call repeated"
+    );
+    for (key, order) in ledger.order.lock().expect("ledger").iter() {
+        assert_eq!(*order, (0..per_key).collect::<Vec<_>>(), "order of {key}");
+    }
+    // The answer is stored with the row and read back by id.
+    let Some(ActionState::Done(answer)) = state(&db, ids[7]).await? else {
+        panic!("not done");
+    };
+    assert_eq!(
+        answer,
+        ledger.applied.lock().expect("ledger")[&ids[7].to_string()]
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_slow_call_holds_back_neither_other_keys_nor_other_batches() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mut events = vec![action("slow", 0)?];
+    for k in 0..60 {
+        events.push(action(&format!("fast{k}"), 0)?);
+    }
+    let ids = enqueue(&db, &events).await?;
+    let release = Arc::new(tokio::sync::Notify::new());
+    let executor = {
+        let release = release.clone();
+        move |action: Action| {
+            let release = release.clone();
+            async move {
+                if action.key == "slow" {
+                    release.notified().await;
+                }
+                Outcome::done(json!({ "ok": action.key }))
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .max_in_flight(8)
+            .batch_size(2)
+            .call_timeout(Duration::from_secs(120)),
+        executor,
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    // Everything but the slow call's own batch (one other row at most) is done while the
+    // slow call is still in flight.
+    eventually("fast keys done beside the slow call", WAIT, || async {
+        Ok(dispatched(&db).await? >= 59)
+    })
+    .await?;
+    assert!(matches!(
+        state(&db, ids[0]).await?,
+        Some(ActionState::Pending { .. })
+    ));
+    release.notify_one();
+    eventually("the slow call done", WAIT, || async {
+        Ok(dispatched(&db).await? == 61)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_destination_that_does_not_answer_charges_nothing_and_is_resumed() -> Result<()> {
+    let db = TestDb::new().await?;
+    let events: Vec<_> = (0..20)
+        .map(|k| action(&format!("k{k}"), 0))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &events).await?;
+    let up = Arc::new(AtomicBool::new(false));
+    let ledger = Arc::new(Ledger::default());
+    let executor = {
+        let (up, ledger) = (up.clone(), ledger.clone());
+        move |action: Action| {
+            let (up, ledger) = (up.clone(), ledger.clone());
+            async move {
+                if up.load(Ordering::SeqCst) {
+                    Outcome::done(ledger.apply(&action))
+                } else {
+                    Outcome::unavailable("connection refused")
+                }
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config().batch_size(50), executor)?;
+    let report = dispatcher.run_once().await?;
+    assert!(report.broker_unreachable, "{report:?}");
+    assert_eq!(
+        (report.unconfirmed, report.quarantined, report.retried),
+        (20, 0, 0)
+    );
+    let charged: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_events WHERE attempts > 0 OR last_error IS NOT NULL",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(charged, 0, "no row charged while nothing answers");
+    assert_eq!(
+        dispatcher.last_error().as_deref(),
+        Some("connection refused")
+    );
+    // Running, it pauses, probes, and resumes once the destination answers.
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    up.store(true, Ordering::SeqCst);
+    eventually("resumed", WAIT, || async {
+        Ok(dispatched(&db).await? == 20)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
+    assert_eq!(ledger.charges(), 20);
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_unavailable_endpoint_among_answering_ones_waits_uncharged() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(
+        &db,
+        &[action("down", 0)?, action("down", 1)?, action("up", 0)?],
+    )
+    .await?;
+    let executor = |action: Action| async move {
+        if action.key == "down" {
+            Outcome::unavailable("that shard refuses connections")
+        } else {
+            Outcome::done(json!({}))
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let report = dispatcher.run_once().await?;
+    assert_eq!(
+        (report.published, report.waiting, report.deferred),
+        (1, 1, 1),
+        "{report:?}"
+    );
+    assert!(!report.broker_unreachable);
+    let Some(ActionState::Pending {
+        attempts,
+        last_error,
+    }) = state(&db, ids[0]).await?
+    else {
+        panic!("not pending");
+    };
+    assert_eq!(attempts, 0);
+    assert!(last_error.is_some_and(|e| e.contains("not charged")));
+    // It waits: the next batch does not call it again at once.
+    assert_eq!(dispatcher.run_once().await?.claimed, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_rejection_quarantines_that_action_alone_with_the_answer() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("a", 0)?, action("a", 1)?, action("b", 0)?]).await?;
+    let bad = ids[0];
+    let executor = move |action: Action| async move {
+        if action.id == bad {
+            Outcome::rejected("402 card declined", json!({ "error": "card_declined" }))
+        } else {
+            Outcome::done(json!({ "n": action.payload["n"] }))
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let first = dispatcher.run_once().await?;
+    assert_eq!(
+        (first.quarantined, first.published, first.deferred),
+        (1, 1, 1)
+    );
+    // Under the default policy the key's later action goes on.
+    dispatcher.run_once().await?;
+    assert_eq!(dispatched(&db).await?, 2);
+    let Some(ActionState::Rejected { answer, reason }) = state(&db, bad).await? else {
+        panic!("not rejected");
+    };
+    assert_eq!(answer, json!({ "error": "card_declined" }));
+    assert!(reason.contains("card declined"), "{reason}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn timeouts_and_panics_are_retried_then_given_up() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("slow", 0)?, action("panics", 0)?]).await?;
+    let executor = |action: Action| async move {
+        if action.key == "panics" {
+            panic!("careless executor");
+        }
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Outcome::done(json!({}))
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .call_timeout(Duration::from_millis(200))
+            .max_attempts(2)
+            .backoff(Duration::from_millis(1), Duration::from_millis(2)),
+        executor,
+    )?;
+    let report = dispatcher.run_once().await?;
+    assert_eq!(report.retried, 2, "{report:?}");
+    let Some(ActionState::Pending {
+        attempts: 1,
+        last_error: Some(e),
+    }) = state(&db, ids[0]).await?
+    else {
+        panic!("not retried");
+    };
+    assert!(e.contains("call_timeout"), "{e}");
+    eventually("both given up", WAIT, || async {
+        dispatcher.run_once().await?;
+        Ok(count_status(&db.pool, "quarantined").await? == 2)
+    })
+    .await?;
+    let Some(ActionState::GaveUp { reason }) = state(&db, ids[1]).await? else {
+        panic!("not given up");
+    };
+    assert!(reason.contains("careless executor"), "{reason}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn retry_after_is_honoured() -> Result<()> {
+    let db = TestDb::new().await?;
+    enqueue(&db, &[action("k", 0)?]).await?;
+    let executor = |_: Action| async { Outcome::retry_after("429", Duration::from_secs(40)) };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().backoff(Duration::from_millis(1), Duration::from_secs(60)),
+        executor,
+    )?;
+    assert_eq!(dispatcher.run_once().await?.retried, 1);
+    let wait: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM next_attempt_at - now())::float8 FROM outbox_events",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(wait > 35.0, "next attempt in {wait} s");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_crash_between_the_call_and_the_record_calls_again_with_the_same_key() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?]).await?;
+    let ledger = Arc::new(Ledger::default());
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let executor = {
+        let (ledger, keys) = (ledger.clone(), keys.clone());
+        move |action: Action| {
+            let (ledger, keys) = (ledger.clone(), keys.clone());
+            async move {
+                keys.lock().expect("keys").push(action.idempotency_key());
+                Outcome::done(ledger.apply(&action))
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    dispatcher.crash_after_next_call();
+    assert!(dispatcher.run_once().await.is_err());
+    assert!(matches!(
+        state(&db, ids[0]).await?,
+        Some(ActionState::Pending { attempts: 0, .. })
+    ));
+    assert_eq!(dispatcher.run_once().await?.published, 1);
+    let keys = keys.lock().expect("keys").clone();
+    assert_eq!(
+        keys,
+        vec![ids[0].to_string(); 2],
+        "called twice, with the same key"
+    );
+    assert_eq!(ledger.charges(), 1);
+    let Some(ActionState::Done(answer)) = state(&db, ids[0]).await? else {
+        panic!("not done");
+    };
+    assert_eq!(answer["charge"], "ch_1");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_answer_postgres_cannot_store_is_stored_scrubbed_not_called_forever() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?]).await?;
+    let executor = |_: Action| async { Outcome::done(json!({ "id\u{0}": "in_\u{0}1" })) };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    assert_eq!(dispatcher.run_once().await?.published, 1);
+    let Some(ActionState::Done(answer)) = state(&db, ids[0]).await? else {
+        panic!("not done");
+    };
+    assert_eq!(answer, json!({ "id\u{fffd}": "in_\u{fffd}1" }));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_relay_and_a_dispatcher_serve_one_table_without_taking_each_others_rows() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let event = NewEvent::new("task", "k", "Decided", &json!({}))?.with_topic(&topic)?;
+    // The key's action first: it must not hold back the key's Kafka event, nor the reverse.
+    enqueue(&db, &[action("k", 0)?, event, action("k", 1)?]).await?;
+    let relay = Relay::new(
+        db.pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default(),
+    )?;
+    let report = relay.run_once().await?;
+    assert_eq!((report.claimed, report.published), (1, 1), "{report:?}");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let executor = {
+        let calls = calls.clone();
+        move |_: Action| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Outcome::done(json!({})) }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    assert_eq!(dispatcher.run_once().await?.published, 2);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(relay.run_once().await?.claimed, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn configurations_that_cannot_work_are_refused() -> Result<()> {
+    let db = TestDb::with_pool_size(2).await?;
+    let executor = |_: Action| async { Outcome::done(json!({})) };
+    for bad in [
+        DispatcherConfig::new("no spaces"),
+        DispatcherConfig::new(""),
+        config().max_in_flight(0),
+        config().call_timeout(Duration::ZERO),
+        // 64 / 16 = 4 batches side by side and a listener: more than 2 connections.
+        config(),
+    ] {
+        assert!(
+            Dispatcher::new(db.pool.clone(), bad.clone(), executor).is_err(),
+            "{bad:?}"
+        );
+    }
+    let mut delete = config().max_in_flight(1);
+    delete.lane = delete
+        .lane
+        .after_publish(outbox_producer::AfterPublish::Delete);
+    assert!(Dispatcher::new(db.pool.clone(), delete, executor).is_err());
+    Ok(())
+}

@@ -274,7 +274,9 @@ async fn one_unavailable_endpoint_among_answering_ones_waits_uncharged() -> Resu
             Outcome::done(json!({}))
         }
     };
-    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    // Waiting out an outage takes `backoff_max` (with jitter): long enough to look again.
+    let config = config().backoff(Duration::from_millis(10), Duration::from_secs(20));
+    let dispatcher = Dispatcher::new(db.pool.clone(), config, executor)?;
     let report = dispatcher.run_once().await?;
     assert_eq!(
         (report.published, report.waiting, report.deferred),

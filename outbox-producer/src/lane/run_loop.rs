@@ -114,9 +114,13 @@ impl<D: Destination> Lane<D> {
                     self.destination.wait_until_answers(stop).await;
                     continue;
                 }
-                Ok(BatchReport { claimed, .. }) => {
+                Ok(BatchReport {
+                    claimed, deferred, ..
+                }) => {
                     failures = 0;
-                    if claimed >= self.config.batch_size as usize {
+                    // A full batch, or rows left for the next one (a key's later rows a
+                    // dispatcher did not wait for): claim again at once.
+                    if claimed >= self.config.batch_size as usize || deferred > 0 {
                         continue;
                     }
                 }

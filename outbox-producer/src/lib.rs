@@ -17,6 +17,10 @@
 //!   (`traceparent`, `tracestate` headers) with events that carry none, so the consumer's span
 //!   continues the trace that decided the event. Without it, attach one explicitly with
 //!   [`NewEvent::with_trace_context`].
+//! - `http`: `dispatch::HttpExecutor`, a dispatcher's executor that performs each action as
+//!   an HTTP request with `Idempotency-Key: <event id>` (the same key on every attempt; a 409
+//!   from an API still processing that key is retried) and stores the answer's body as the
+//!   outcome (see `dispatch::http` for the mapping of answers to outcomes).
 //! - `prometheus`: `serve_metrics` serves the relay's metrics on an HTTP endpoint.
 //! - `fault-injection`: crash hooks for tests; never in production.
 //!

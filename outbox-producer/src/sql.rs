@@ -88,6 +88,8 @@ pub(crate) struct RelaySql {
     pub(crate) mark_done: SqlStr,
     pub(crate) delete_published: SqlStr,
     pub(crate) record_failures: SqlStr,
+    /// Whether `record_failures` takes the rows' outcomes (`$6`): a dispatcher's does.
+    pub(crate) stores_outcomes: bool,
 }
 
 impl RelaySql {
@@ -194,14 +196,27 @@ impl RelaySql {
                  WHERE e.seq = d.seq"
             )),
             delete_published: sql(format!("DELETE FROM {table} WHERE seq = ANY($1)")),
-            record_failures: sql(format!(
-                "UPDATE {table} AS e SET attempts = e.attempts + f.charge, status = f.status, \
-                        next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
-                        last_error = f.error, outcome = f.outcome::jsonb \
-                 FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[], $6::text[]) \
-                      AS f(seq, status, delay_ms, error, charge, outcome) \
-                 WHERE e.seq = f.seq"
-            )),
+            // The relay's leaves `outcome` alone (it has none to store), so it also runs on
+            // a table from before migration 0012 during a rolling upgrade.
+            record_failures: sql(match lane {
+                LaneRows::Relay => format!(
+                    "UPDATE {table} AS e SET attempts = e.attempts + f.charge, status = f.status, \
+                            next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
+                            last_error = f.error \
+                     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[]) \
+                          AS f(seq, status, delay_ms, error, charge) \
+                     WHERE e.seq = f.seq"
+                ),
+                LaneRows::Dispatch(_) => format!(
+                    "UPDATE {table} AS e SET attempts = e.attempts + f.charge, status = f.status, \
+                            next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
+                            last_error = f.error, outcome = f.outcome::jsonb \
+                     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[], $6::text[]) \
+                          AS f(seq, status, delay_ms, error, charge, outcome) \
+                     WHERE e.seq = f.seq"
+                ),
+            }),
+            stores_outcomes: matches!(lane, LaneRows::Dispatch(_)),
         }
     }
 }

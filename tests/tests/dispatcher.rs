@@ -228,14 +228,12 @@ async fn a_destination_that_does_not_answer_charges_nothing_and_is_resumed() -> 
     let report = dispatcher.run_once().await?;
     assert!(report.broker_unreachable, "{report:?}");
     assert_eq!(
-        (report.unconfirmed, report.quarantined, report.retried),
+        (report.waiting, report.quarantined, report.retried),
         (20, 0, 0)
     );
-    let charged: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox_events WHERE attempts > 0 OR last_error IS NOT NULL",
-    )
-    .fetch_one(&db.pool)
-    .await?;
+    let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE attempts > 0")
+        .fetch_one(&db.pool)
+        .await?;
     assert_eq!(charged, 0, "no row charged while nothing answers");
     assert_eq!(
         dispatcher.last_error().as_deref(),
@@ -274,7 +272,9 @@ async fn one_unavailable_endpoint_among_answering_ones_waits_uncharged() -> Resu
             Outcome::done(json!({}))
         }
     };
-    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    // Waiting out an outage takes `backoff_max` (with jitter): long enough to look again.
+    let config = config().backoff(Duration::from_millis(10), Duration::from_secs(20));
+    let dispatcher = Dispatcher::new(db.pool.clone(), config, executor)?;
     let report = dispatcher.run_once().await?;
     assert_eq!(
         (report.published, report.waiting, report.deferred),
@@ -489,5 +489,95 @@ async fn configurations_that_cannot_work_are_refused() -> Result<()> {
         .lane
         .after_publish(outbox_producer::AfterPublish::Delete);
     assert!(Dispatcher::new(db.pool.clone(), delete, executor).is_err());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_key_whose_calls_find_nobody_does_not_starve_the_keys_behind_it() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mut events: Vec<_> = (0..20).map(|n| action("down", n)).collect::<Result<_>>()?;
+    for k in 0..5 {
+        events.push(action(&format!("up{k}"), 0)?);
+    }
+    enqueue(&db, &events).await?;
+    let executor = |action: Action| async move {
+        if action.key == "down" {
+            Outcome::unavailable("connection refused")
+        } else {
+            Outcome::done(json!({}))
+        }
+    };
+    // One worker, whose first batch holds nothing but the silent key's rows.
+    let config = config()
+        .max_in_flight(16)
+        .batch_size(16)
+        .backoff(Duration::from_millis(10), Duration::from_secs(20));
+    let dispatcher = Dispatcher::new(db.pool.clone(), config, executor)?;
+    let first = dispatcher.run_once().await?;
+    assert!(first.broker_unreachable, "{first:?}");
+    assert_eq!((first.waiting, first.deferred), (1, 15), "{first:?}");
+    let second = dispatcher.run_once().await?;
+    assert_eq!(second.published, 5, "{second:?}");
+    let charged: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_events WHERE attempts > 0 AND status <> 'published'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert_eq!(charged, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn calls_that_all_time_out_charge_nobody() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("a", 0)?, action("b", 0)?]).await?;
+    let executor = |_: Action| async {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Outcome::done(json!({}))
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .call_timeout(Duration::from_millis(100))
+            .max_attempts(1),
+        executor,
+    )?;
+    let report = dispatcher.run_once().await?;
+    assert!(report.broker_unreachable, "{report:?}");
+    assert_eq!((report.waiting, report.quarantined), (2, 0), "{report:?}");
+    assert!(matches!(
+        state(&db, ids[0]).await?,
+        Some(ActionState::Pending { attempts: 0, .. })
+    ));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_slow_keys_run_of_actions_does_not_hold_the_record_of_its_batch() -> Result<()> {
+    let db = TestDb::new().await?;
+    let mut events: Vec<_> = (0..5).map(|n| action("slow", n)).collect::<Result<_>>()?;
+    for k in 0..3 {
+        events.push(action(&format!("fast{k}"), 0)?);
+    }
+    enqueue(&db, &events).await?;
+    let executor = |action: Action| async move {
+        if action.key == "slow" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        Outcome::done(json!({}))
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().max_in_flight(8).batch_size(8),
+        executor,
+    )?;
+    // The fast keys are recorded after one slow call, not after five.
+    let report = dispatcher.run_once().await?;
+    assert_eq!((report.published, report.deferred), (4, 4), "{report:?}");
+    eventually("the slow key's run done", WAIT, || async {
+        dispatcher.run_once().await?;
+        Ok(dispatched(&db).await? == 8)
+    })
+    .await?;
     Ok(())
 }

@@ -3,7 +3,8 @@
 
 use std::panic::AssertUnwindSafe;
 #[cfg(feature = "fault-injection")]
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -117,15 +118,22 @@ impl<E: Executor> Calls<E> {
         }
     }
 
-    /// Calls a key's rows one after the other; stops at the first not done.
+    /// Calls a key's rows one after the other; stops at the first not done, and before a
+    /// further call once every other key of the batch is done (`others` counts the chains
+    /// still running): the batch then commits, and the key's later rows go to the next one,
+    /// so a slow key's run of actions never holds back the record of the other keys.
     async fn run_chain(
         &self,
         rows: &[OutboxRow],
         chain: &[usize],
+        running: &Running,
         expired: &CancellationToken,
     ) -> Vec<(usize, Result<Call, Failed>)> {
         let mut calls = Vec::new();
         for &i in chain {
+            if !calls.is_empty() && alone_of_several(running) {
+                break;
+            }
             let Some(call) = self.call(&rows[i], expired).await else {
                 break;
             };
@@ -135,8 +143,20 @@ impl<E: Executor> Calls<E> {
                 break;
             }
         }
+        running.left.fetch_sub(1, Ordering::SeqCst);
         calls
     }
+}
+
+/// The chains of a batch: how many there are, and how many are still running.
+struct Running {
+    chains: usize,
+    left: AtomicUsize,
+}
+
+/// Whether every other chain of a batch of several is done.
+fn alone_of_several(running: &Running) -> bool {
+    running.chains > 1 && running.left.load(Ordering::SeqCst) == 1
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -154,10 +174,14 @@ impl<E: Executor> Destination for Calls<E> {
         expired: &CancellationToken,
     ) -> Result<Vec<Verdict>, ProducerError> {
         let chains = chains(rows);
+        let running = Running {
+            chains: chains.len(),
+            left: AtomicUsize::new(chains.len()),
+        };
         let calls = join_all(
             chains
                 .iter()
-                .map(|chain| self.run_chain(rows, chain, expired)),
+                .map(|chain| self.run_chain(rows, chain, &running, expired)),
         )
         .await;
         #[cfg(feature = "fault-injection")]
@@ -168,11 +192,24 @@ impl<E: Executor> Destination for Calls<E> {
             ));
         }
         let calls: Vec<_> = calls.into_iter().flatten().collect();
-        let answered = calls
-            .iter()
-            .any(|(_, call)| !matches!(call, Ok(Call::Answered(Outcome::Unavailable { .. }))));
+        // Whether the destination answered anything in this batch. When it did not (every
+        // call unavailable or timed out), no row is charged: the failure is the
+        // destination's, and the dispatcher pauses as a whole.
+        let answered = calls.iter().any(|(_, call)| {
+            !matches!(
+                call,
+                Ok(Call::Answered(Outcome::Unavailable { .. }) | Call::TimedOut)
+            )
+        });
         let mut verdicts: Vec<Option<Verdict>> = rows.iter().map(|_| None).collect();
-        let mut unavailable = None;
+        let mut silence = None;
+        let outage = |reason: String| {
+            // Charged nothing; the row waits (holding its key) so that other keys' rows fill
+            // the next batches, however many of this key's rows are due.
+            let mut failed = Failed::new(Failure::Outage, reason);
+            failed.silent = !answered;
+            Verdict::Failed(failed)
+        };
         for (i, call) in calls {
             let verdict = match call {
                 Err(failed) => Verdict::Failed(failed),
@@ -188,23 +225,22 @@ impl<E: Executor> Destination for Calls<E> {
                     Verdict::Failed(failed)
                 }
                 Ok(Call::Answered(Outcome::Unavailable { reason })) => {
-                    let verdict = if answered {
-                        // Other calls were answered: this action waits, charged nothing.
-                        Verdict::Failed(Failed::new(Failure::Outage, reason.clone()))
-                    } else {
-                        Verdict::Unreachable
-                    };
-                    unavailable = Some(reason);
-                    verdict
+                    silence = Some(reason.clone());
+                    outage(reason)
                 }
-                Ok(Call::TimedOut) => Verdict::Failed(Failed::new(
-                    Failure::Transient,
-                    format!(
+                Ok(Call::TimedOut) => {
+                    let reason = format!(
                         "no answer within call_timeout ({:?}): the outcome is unknown, the call \
                          is made again with the same key",
                         self.config.call_timeout
-                    ),
-                )),
+                    );
+                    if answered {
+                        Verdict::Failed(Failed::new(Failure::Transient, reason))
+                    } else {
+                        silence = Some(reason.clone());
+                        outage(reason)
+                    }
+                }
                 Ok(Call::Panicked(message)) => Verdict::Failed(Failed::new(
                     Failure::Transient,
                     format!("the executor panicked: {message}"),
@@ -216,7 +252,7 @@ impl<E: Executor> Destination for Calls<E> {
             let mut pause = self.pause();
             if answered {
                 *pause = Pause::default();
-            } else if let Some(reason) = unavailable {
+            } else if let Some(reason) = silence {
                 pause.batches = pause.batches.saturating_add(1);
                 let wait = outbox_core::backoff(
                     self.config.lane.backoff_base,

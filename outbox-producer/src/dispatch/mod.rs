@@ -61,6 +61,8 @@
 mod action;
 mod calls;
 mod config;
+#[cfg(feature = "http")]
+pub mod http;
 mod outcome;
 
 use std::sync::Arc;
@@ -70,6 +72,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use action::{Action, Executor, Outcome};
 pub use config::DispatcherConfig;
+#[cfg(feature = "http")]
+pub use http::HttpExecutor;
 pub use outcome::{ActionState, outcome};
 
 use crate::ProducerError;

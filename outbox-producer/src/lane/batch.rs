@@ -31,7 +31,18 @@ impl<D: Destination> Lane<D> {
         let verdicts = if deliver {
             // The destination's questions and calls run inside the keep-alive: they can take
             // seconds, and the transaction must not sit idle meanwhile.
-            transaction::keep_alive(&mut tx, self.destination.deliver(&rows, expired)).await??
+            let delivered =
+                transaction::keep_alive(&mut tx, self.destination.deliver(&rows, expired)).await?;
+            match delivered {
+                Ok(verdicts) => verdicts,
+                Err(error) => {
+                    // Released now, not when the pool next touches the connection: the rows
+                    // and their keys' locks must be free for the next claim (another relay's,
+                    // or a new one after a fatal error).
+                    let _ = tx.rollback().await;
+                    return Err(error);
+                }
+            }
         } else {
             rows.iter().map(|_| Verdict::Done(None)).collect()
         };

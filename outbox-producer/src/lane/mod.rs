@@ -84,6 +84,9 @@ pub(crate) struct Failed {
     /// For an outage: the row was not even tried (its partition was known to be out), and
     /// the outage was logged when it was found.
     pub(crate) unsent: bool,
+    /// For an outage: the whole destination did not answer in this batch, so the lane
+    /// pauses ([`Destination::wait_until_answers`]) besides the row waiting.
+    pub(crate) silent: bool,
 }
 
 impl Failed {
@@ -94,6 +97,7 @@ impl Failed {
             retry_after: None,
             answer: None,
             unsent: false,
+            silent: false,
         }
     }
 }

@@ -122,6 +122,7 @@ pub(crate) async fn record<D: Destination>(
             // (and holds its key's later rows) so that the batches in between carry the rows
             // that can go.
             report.waiting += 1;
+            report.broker_unreachable |= failed.silent;
             let delay = outage_wait(config);
             if failed.unsent {
                 // The outage was logged when it was found.
@@ -184,15 +185,17 @@ pub(crate) async fn record<D: Destination>(
         }
     }
     if !seqs.is_empty() {
-        sqlx::query(lane.sql.record_failures.clone())
+        let query = sqlx::query(lane.sql.record_failures.clone())
             .bind(&seqs)
             .bind(&statuses)
             .bind(&delays)
             .bind(&errors)
-            .bind(&charges)
-            .bind(&outcomes)
-            .execute(&mut *conn)
-            .await?;
+            .bind(&charges);
+        if lane.sql.stores_outcomes {
+            query.bind(&outcomes).execute(&mut *conn).await?;
+        } else {
+            query.execute(&mut *conn).await?;
+        }
     }
     Ok(report)
 }

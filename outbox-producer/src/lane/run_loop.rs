@@ -43,10 +43,21 @@ impl<D: Destination> Lane<D> {
         // Held until the workers are done, so that a worker's `changed()` never fails.
         let (wake, woken) = watch::channel(0_u64);
         let wake = Arc::new(wake);
-        let listener = self
-            .config
-            .listen
-            .then(|| tokio::spawn(Arc::clone(self).listen_until(Arc::clone(&wake), stop.clone())));
+        let listener = if self.config.listen {
+            // Listening before the first batch: a commit between that batch's claim and a
+            // later LISTEN would wake nobody until `poll_interval`.
+            let first = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                listener = self.listen() => listener,
+            };
+            Some(tokio::spawn(Arc::clone(self).listen_until(
+                first,
+                Arc::clone(&wake),
+                stop.clone(),
+            )))
+        } else {
+            None
+        };
         let results = join_all((0..self.workers).map(|_| {
             let (lane, stop, expired, woken) = (
                 Arc::clone(self),
@@ -103,9 +114,13 @@ impl<D: Destination> Lane<D> {
                     self.destination.wait_until_answers(stop).await;
                     continue;
                 }
-                Ok(BatchReport { claimed, .. }) => {
+                Ok(BatchReport {
+                    claimed, deferred, ..
+                }) => {
                     failures = 0;
-                    if claimed >= self.config.batch_size as usize {
+                    // A full batch, or rows left for the next one (a key's later rows a
+                    // dispatcher did not wait for): claim again at once.
+                    if claimed >= self.config.batch_size as usize || deferred > 0 {
                         continue;
                     }
                 }
@@ -164,14 +179,14 @@ impl<D: Destination> Lane<D> {
 
     /// Listens for the table's commit notifications and wakes the workers, reconnecting
     /// after a failure (the workers poll meanwhile).
-    async fn listen_until(self: Arc<Self>, wake: Arc<watch::Sender<u64>>, stop: CancellationToken) {
+    async fn listen_until(
+        self: Arc<Self>,
+        mut listener: Option<PgListener>,
+        wake: Arc<watch::Sender<u64>>,
+        stop: CancellationToken,
+    ) {
         loop {
-            // Connecting holds no transaction: safe to drop on shutdown.
-            let listener = tokio::select! {
-                () = stop.cancelled() => return,
-                listener = self.listen() => listener,
-            };
-            if let Some(mut listener) = listener {
+            if let Some(mut listener) = listener.take() {
                 loop {
                     let notified = tokio::select! {
                         () = stop.cancelled() => return,
@@ -189,6 +204,13 @@ impl<D: Destination> Lane<D> {
                 () = stop.cancelled() => return,
                 () = tokio::time::sleep(self.config.poll_interval) => {}
             }
+            // Connecting holds no transaction: safe to drop on shutdown.
+            listener = tokio::select! {
+                () = stop.cancelled() => return,
+                listener = self.listen() => listener,
+            };
+            // Commits while no one listened notified no one.
+            wake.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
 

@@ -401,7 +401,8 @@ async fn breakdown(
 /// The breakdown's figures: each part of the dispatcher's batch against the same part of
 /// the hand loop's, in ms per batch (no targets).
 fn breakdown_figures(id: &'static str, dispatcher: &Breakdown, hand: &Breakdown) -> Vec<Figure> {
-    let parts: [(&str, fn(&Breakdown) -> f64); 7] = [
+    type Part = (&'static str, fn(&Breakdown) -> f64);
+    let parts: [Part; 7] = [
         ("cycle", |b| b.cycle),
         ("SET LOCAL settings", |b| b.settings),
         ("claim", |b| b.claim),

@@ -2,8 +2,9 @@
 //!
 //! - P9a: against an API that answers at once, the dispatcher (`Dispatcher::run` with the
 //!   HTTP executor) vs the hand-written loop of issue 28 (claim `FOR UPDATE SKIP LOCKED`,
-//!   call, mark, commit) with the same reqwest client and the same concurrency: as many loops
-//!   as the dispatcher runs batches side by side, each calling its batch's rows at once.
+//!   call, mark, commit) with the same reqwest client and the same concurrency, 64 calls in
+//!   flight: 4 loops claiming 16 rows each (the dispatcher's batch size) and calling a
+//!   batch's rows at once.
 //! - P9b: at 20 ms of API latency with `max_in_flight` 64, the dispatcher's actions/s against
 //!   the bound that concurrency across keys allows, 64 / 20 ms = 3,200/s, with each key's
 //!   charges in the API's ledger checked to be in commit order, once each.
@@ -40,7 +41,7 @@ const MAX_IN_FLIGHT: usize = 64;
 const LATENCY: Duration = Duration::from_millis(20);
 
 /// The dispatcher's settings in both figures: the defaults (batches of 16, 64 calls in
-/// flight, so 4 batches side by side).
+/// flight, 4 + 1 batches side by side).
 fn config() -> DispatcherConfig {
     DispatcherConfig::new(DESTINATION).max_in_flight(MAX_IN_FLIGHT)
 }
@@ -227,8 +228,9 @@ async fn hand_loop(
     }
 }
 
-/// As many hand-written loops as the dispatcher runs batches side by side, with its batch
-/// size.
+/// As many hand-written loops as 64 calls in flight fill with the dispatcher's batch size
+/// (the dispatcher runs one batch more, claiming and recording while the others call), and
+/// that batch size.
 fn loops() -> (usize, i64) {
     let config = config();
     (
@@ -278,7 +280,7 @@ struct Breakdown {
     /// Batches that claimed rows.
     batches: u64,
     rows_per_batch: f64,
-    /// `loops` × elapsed / batches: one worker's time per batch.
+    /// Workers × elapsed / batches: one worker's time per batch.
     cycle: f64,
     settings: f64,
     claim: f64,
@@ -361,6 +363,8 @@ async fn breakdown(
     latency: Option<Duration>,
 ) -> Result<(Breakdown, Breakdown)> {
     let (loops, _) = loops();
+    // The dispatcher's batches side by side (`DispatcherConfig::workers`).
+    let batches = loops + 1;
     let (db, api) = fixture(actions, latency).await?;
     let calls = CallTimes::default();
     let executor = {
@@ -381,7 +385,7 @@ async fn breakdown(
     sql_times::start();
     let elapsed = dispatcher_run(&db, &api, executor, actions).await;
     let statements = sql_times::stop();
-    let dispatcher = Breakdown::of(&statements, loops, elapsed?, calls.mean_ms(), f64::NAN);
+    let dispatcher = Breakdown::of(&statements, batches, elapsed?, calls.mean_ms(), f64::NAN);
 
     let (db, api) = fixture(actions, latency).await?;
     let (calls, phases) = (CallTimes::default(), CallTimes::default());

@@ -48,10 +48,11 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         .backoff(Duration::from_millis(50), Duration::from_secs(1))
         .poll_interval(POLL)
         .shutdown_timeout(Duration::from_secs(5));
-    // One connection per batch run side by side, one to LISTEN.
+    // One connection per batch run side by side (as many as the calls in flight fill, and
+    // one more), one to LISTEN.
     let pool = args
         .common
-        .pool(u32::try_from(args.max_in_flight.div_ceil(args.batch_size as usize))? + 1)?;
+        .pool(u32::try_from(args.max_in_flight.div_ceil(args.batch_size as usize))? + 2)?;
     // Connection refused (the API down) must read as an outage, not as a call without an
     // answer: the connect timeout stays below the call timeout.
     let client = reqwest::Client::builder()

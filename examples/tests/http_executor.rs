@@ -413,7 +413,10 @@ async fn connection_refused_is_unavailable() -> Result<()> {
     let Outcome::Unavailable { reason } = &outcome else {
         bail!("connection refused is unavailable: {outcome:?}");
     };
-    ensure!(reason.starts_with("no connection: "), "{reason}");
+    ensure!(
+        reason.starts_with("no connection: ") && reason.contains("refused"),
+        "{reason}"
+    );
     ensure!(!reason.contains("hunter2"), "the URL is left out: {reason}");
 
     // The billing API stopped refuses connections on its port, and answers once restarted.
@@ -522,7 +525,7 @@ async fn billing_api_in_flight_key_402_503_and_restart() -> Result<()> {
     let slow = json!({ "invoice": "INV-slow", "cents": 100 });
 
     // A key whose first request is still being processed: 409.
-    api.delay_invoice("INV-slow", Duration::from_secs(2));
+    api.delay_invoice("INV-slow", Duration::from_secs(3));
     let first = tokio::spawn({
         let (api, slow) = (Arc::clone(&api), slow.clone());
         async move { charge(&api, Some("slow"), &slow).await }
@@ -644,7 +647,7 @@ async fn a_charge_whose_answer_stalls_past_the_call_timeout_is_applied_once() ->
     let db = TestDb::new().await?;
     let api = BillingApi::start().await?;
     api.apply_then_stall(1);
-    let running = run_dispatcher(&db, &api, Duration::from_millis(500))?;
+    let running = run_dispatcher(&db, &api, Duration::from_secs(1))?;
     let id = enqueue(&db, "INV-8", &json!({ "invoice": "INV-8", "cents": 800 })).await?;
 
     // The first call applies the charge and gets no answer within call_timeout; the retry
@@ -668,9 +671,11 @@ async fn a_charge_whose_answer_stalls_past_the_call_timeout_is_applied_once() ->
         "one charge: {:?}",
         api.charges()
     );
+    // The stalled request and its retry (one more if a retry itself outlived call_timeout
+    // on a loaded machine), all with the action's key.
     let requests = api.requests();
     ensure!(
-        requests.total == 2 && requests.for_key(&key) == 2,
+        requests.for_key(&key) >= 2 && requests.total == requests.for_key(&key),
         "{requests:?}"
     );
     Ok(())

@@ -4,6 +4,7 @@
 //!
 //! Needs PostgreSQL and Apache Kafka (`scripts/demo` starts both and runs this).
 
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -110,10 +111,16 @@ enum Role {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // The demo tells its story on stdout; the framework's own warnings (a retried call, a
+    // broker connection the crashed worker left behind) would interleave with its tables.
+    // `RUST_LOG=warn scripts/demo` shows them.
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "error".into()),
         )
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
     let database_url =

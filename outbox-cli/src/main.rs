@@ -96,7 +96,7 @@ enum Command {
     /// Run the relay until SIGINT or SIGTERM.
     ///
     /// Kafka settings are librdkafka properties, applied in this order (a later one wins):
-    /// the relay's defaults, the --kafka-config file, OUTBOX_KAFKA_<KEY> variables
+    /// the relay's defaults, the --kafka-config file, `OUTBOX_KAFKA_<KEY>` variables
     /// (OUTBOX_KAFKA_SASL_PASSWORD is sasl.password), --brokers, each -X. A value
     /// `file:PATH` is read from PATH. The relay always sets enable.idempotence=true, acks=all
     /// and partitioner=murmur2_random.

@@ -105,7 +105,7 @@ enum Command {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum PruneTarget {
-    /// Consumer dedup rows (choose the age from the topic's retention; see the README).
+    /// Consumer dedup rows (choose the age from the topic's retention; see the guide, operating, "The dedup store and its TTL").
     Dedup,
     /// Outbox rows already published.
     Published,

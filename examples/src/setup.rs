@@ -18,7 +18,10 @@ pub async fn database(prefix: &str) -> Result<PgPool> {
     let url = std::env::var("DATABASE_URL")
         .or_else(|_| std::env::var("OUTBOX_TEST_DATABASE_URL"))
         .context("set DATABASE_URL to a PostgreSQL database the example may create a schema in")?;
-    let schema = format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let schema = format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
     let options: PgConnectOptions = url.parse().context("DATABASE_URL")?;
     let admin = PgPoolOptions::new()
         .max_connections(1)
@@ -68,7 +71,10 @@ pub async fn wait_for_count(pool: &PgPool, query: &'static str, n: i64) -> Resul
         if count >= n {
             return Ok(());
         }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "waited 60 s for {n} rows: {query}");
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "waited 60 s for {n} rows: {query}"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }

@@ -11,7 +11,9 @@ mod p4_consumer;
 mod p6_debezium;
 mod p7_scale;
 mod p8_dedup_store;
+mod p9_dispatch;
 mod sample;
+mod sql_times;
 
 use std::time::Duration;
 
@@ -28,8 +30,10 @@ pub(crate) struct Settings {
     /// needs Kafka Connect); not by default: p7 (stats, claim and prune at `--scale-rows`
     /// pending and published rows, ~15 min and ~8 GB of disk at 10M), p8 (the dedup store in
     /// day slices: inserts with `--dedup-rows` retained, pruning a day of `--slice-rows`, size
-    /// per id; ~10 min and ~6 GB of disk).
-    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into(), "p6".into()])]
+    /// per id; ~10 min and ~6 GB of disk); p9 (the dispatcher against a local HTTP billing
+    /// API: vs a hand-written claim-call-mark loop, and at 20 ms of API latency vs the bound
+    /// 64 in flight allow; needs no Kafka).
+    #[arg(long, value_delimiter = ',', default_values_t = ["p1".to_string(), "p2".into(), "p3".into(), "p4".into(), "mem".into(), "p6".into(), "p9".into()])]
     only: Vec<String>,
     /// Interleaved rounds per figure.
     #[arg(long, default_value_t = 5)]
@@ -43,6 +47,9 @@ pub(crate) struct Settings {
     /// Events per relay run (P2, P5) and per consumer run (P4).
     #[arg(long, default_value_t = 40_000)]
     pub(crate) events: usize,
+    /// Actions per dispatcher run (P9).
+    #[arg(long, default_value_t = 8_000)]
+    pub(crate) actions: usize,
     /// Relay batch size.
     #[arg(long, default_value_t = 1_000)]
     pub(crate) batch_size: u32,
@@ -78,6 +85,7 @@ fn humantime_secs(s: &str) -> Result<Duration, std::num::ParseFloatError> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let settings = Settings::parse();
+    sql_times::install();
     if let Some(role) = settings.role {
         return memory::child(&settings, role).await;
     }
@@ -106,6 +114,9 @@ async fn main() -> Result<()> {
     }
     if wants("p8") {
         figures.extend(p8_dedup_store::run(&settings).await?);
+    }
+    if wants("p9") {
+        figures.extend(p9_dispatch::run(&settings).await?);
     }
     let peak_rss_kib = peak_rss_kib();
     println!(

@@ -75,6 +75,18 @@ CREATE TABLE chaos_deleted_with_topic (
     event_id UUID PRIMARY KEY,
     epoch    INT  NOT NULL
 );
+-- The dispatcher fleet: the ids of actions the writer tried (before each transaction, in
+-- autocommit), and each action key's counter, bumped in the transaction that enqueues the
+-- key's next action (whose invoice is `<key>/<counter>`).
+CREATE TABLE chaos_action_attempts (
+    event_id     UUID        NOT NULL,
+    key          TEXT        NOT NULL,
+    attempted_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE chaos_action_state (
+    key     TEXT   PRIMARY KEY,
+    counter BIGINT NOT NULL DEFAULT 0
+);
 ";
 
 /// A database made for one run.
@@ -89,11 +101,13 @@ pub(crate) struct ChaosDb {
 
 impl ChaosDb {
     /// Creates `outbox_chaos_<random>` on the server at `server_url`, migrates the framework's
-    /// tables under `tables`, creates the harness's tables and `keys` state rows.
+    /// tables under `tables`, creates the harness's tables, `keys` state rows and
+    /// `action_keys` action counters.
     pub(crate) async fn create(
         server_url: &str,
         tables: &TableNames,
         keys: &[String],
+        action_keys: &[String],
     ) -> Result<Self> {
         let base = PgConnectOptions::from_str(server_url).context("parsing the database URL")?;
         let admin = PgPoolOptions::new()
@@ -117,6 +131,10 @@ impl ChaosDb {
         sqlx::raw_sql(SCHEMA).execute(&pool).await?;
         sqlx::query("INSERT INTO chaos_state (key) SELECT * FROM UNNEST($1::text[])")
             .bind(keys)
+            .execute(&pool)
+            .await?;
+        sqlx::query("INSERT INTO chaos_action_state (key) SELECT * FROM UNNEST($1::text[])")
+            .bind(action_keys)
             .execute(&pool)
             .await?;
         Ok(Self { name, pool, admin })

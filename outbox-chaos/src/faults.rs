@@ -5,7 +5,8 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use outbox_examples::billing_api::BillingApi;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -26,6 +27,8 @@ pub(crate) struct Chaos<'a> {
     pub(crate) profile: &'a Profile,
     pub(crate) topic: &'a str,
     pub(crate) group_a: &'a str,
+    /// The billing API of the dispatcher fleet, when it runs.
+    pub(crate) api: Option<&'a BillingApi>,
     pub(crate) rng: StdRng,
     extras: u32,
     /// Broker faults so far (their kinds alternate).
@@ -42,6 +45,15 @@ const MENU: [(Kind, u32); 5] = [
     (Kind::ProducerKill, 2),
     (Kind::PgTerminate, 3),
     (Kind::Rebalance, 3),
+];
+
+/// The dispatcher fleet's faults, when it runs.
+/// (Each run has at least one API outage and one stall: see [`Chaos::run`].)
+const DISPATCH_MENU: [(Kind, u32); 4] = [
+    (Kind::DispatcherKill, 3),
+    (Kind::ActionWriterKill, 1),
+    (Kind::ApiOutage, 1),
+    (Kind::ApiStall, 1),
 ];
 
 impl<'a> Chaos<'a> {
@@ -61,11 +73,18 @@ impl<'a> Chaos<'a> {
             profile,
             topic,
             group_a,
+            api: None,
             rng: StdRng::seed_from_u64(seed),
             extras: 0,
             broker_faults: 0,
             leaving: Vec::new(),
         }
+    }
+
+    /// Adds the dispatcher fleet's faults, with the billing API they take down or stall.
+    pub(crate) fn with_api(mut self, api: Option<&'a BillingApi>) -> Self {
+        self.api = api;
+        self
     }
 
     /// Injects faults for `profile.fault_phase` or `profile.max_faults`, whichever ends
@@ -117,9 +136,11 @@ impl<'a> Chaos<'a> {
             // `BrokerRestart` stands for a broker fault of either kind: they alternate, clean
             // restart first, so every run with two broker faults has both.
             let broker_fault = (Kind::BrokerRestart, self.profile.broker_fault_weight);
+            let dispatch = self.api.map(|_| DISPATCH_MENU).into_iter().flatten();
             let menu: Vec<(Kind, u32)> = MENU
                 .into_iter()
                 .chain(broker_up.then_some(broker_fault))
+                .chain(dispatch)
                 .collect();
             let kind = menu
                 .choose_weighted(&mut self.rng, |(_, w)| *w)
@@ -140,6 +161,12 @@ impl<'a> Chaos<'a> {
                     tracing::warn!(%error, "injecting malformed records failed; retrying");
                 }
                 Err(error) => return Err(error),
+            }
+        }
+        // Likewise every run takes the billing API down and makes it stall at least once.
+        for kind in [Kind::ApiOutage, Kind::ApiStall] {
+            if self.api.is_some() && lock(self.fleet).counts.get(kind) == 0 {
+                self.inject(kind).await?;
             }
         }
         self.leave_due_extras(true);
@@ -233,6 +260,34 @@ impl<'a> Chaos<'a> {
                 }
             }
             Kind::Rebalance => self.rebalance()?,
+            Kind::DispatcherKill => {
+                if let Some(i) = self.pick(|r| matches!(r, Role::Dispatcher { .. })) {
+                    lock(self.fleet).kill(i)?;
+                }
+            }
+            Kind::ActionWriterKill => {
+                if let Some(i) = self.pick(|r| *r == Role::ActionWriter) {
+                    lock(self.fleet).kill(i)?;
+                }
+            }
+            Kind::ApiOutage => {
+                if let Some(api) = self.api {
+                    let downtime = Duration::from_millis(self.rng.random_range(300..3000));
+                    api.stop().await;
+                    tracing::info!(?downtime, "fault: billing API down");
+                    tokio::time::sleep(downtime).await;
+                    restart_api(api).await?;
+                    lock(self.fleet).counts.add(kind, 1);
+                }
+            }
+            Kind::ApiStall => {
+                if let Some(api) = self.api {
+                    let stalls = self.rng.random_range(1..=3);
+                    tracing::info!(stalls, "fault: billing API applies, then stalls");
+                    api.apply_then_stall(stalls);
+                    lock(self.fleet).counts.add(kind, 1);
+                }
+            }
             _ => {}
         }
         Ok(())
@@ -263,5 +318,21 @@ impl<'a> Chaos<'a> {
         }
         lock(self.fleet).counts.add(Kind::Rebalance, 1);
         Ok(())
+    }
+}
+
+/// Listens again on the API's port, retrying while the port is not free yet.
+async fn restart_api(api: &BillingApi) -> Result<()> {
+    let mut tries = 0;
+    loop {
+        match api.restart().await {
+            Ok(()) => return Ok(()),
+            Err(error) if tries < 50 => {
+                tries += 1;
+                tracing::warn!(%error, "the billing API cannot listen again yet; retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => return Err(error).context("restarting the billing API"),
+        }
     }
 }

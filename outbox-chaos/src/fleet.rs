@@ -15,8 +15,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::children::relay::Policy;
 use crate::children::{
-    EXIT_CONSUMER_AFTER_COMMIT, EXIT_PRODUCER_AFTER_COMMIT, EXIT_PRODUCER_BEFORE_COMMIT,
-    EXIT_RELAY_AFTER_ACK,
+    EXIT_CONSUMER_AFTER_COMMIT, EXIT_DISPATCHER_AFTER_CALL, EXIT_PRODUCER_AFTER_COMMIT,
+    EXIT_PRODUCER_BEFORE_COMMIT, EXIT_RELAY_AFTER_ACK,
 };
 use crate::summary::{Counts, Kind};
 
@@ -44,6 +44,12 @@ pub(crate) enum Role {
     },
     Consumer {
         group: String,
+    },
+    /// The dispatcher fleet's writer of actions.
+    ActionWriter,
+    /// `crash_slot`: respawned in crash-after-call mode while faults are on.
+    Dispatcher {
+        crash_slot: bool,
     },
 }
 
@@ -79,7 +85,23 @@ pub(crate) struct Launch {
     pub(crate) relay_retry: RelayRetry,
     /// Whether a quarantined row holds back its key's later rows.
     pub(crate) relay_policy: Policy,
+    /// The dispatcher fleet's settings, when it runs.
+    pub(crate) dispatch: Option<DispatchLaunch>,
 }
+
+/// What the action writer and the dispatchers are started with.
+#[derive(Debug, Clone)]
+pub(crate) struct DispatchLaunch {
+    /// The billing API's charges endpoint.
+    pub(crate) api_url: String,
+    pub(crate) keys: u32,
+    pub(crate) writer_pause_ms: (u64, u64),
+    pub(crate) max_in_flight: usize,
+    pub(crate) call_timeout: Duration,
+}
+
+/// Largest batch size a dispatcher is started with (each draws one from 4 to this).
+const MAX_DISPATCH_BATCH: u32 = 16;
 
 /// The relays' retry settings, passed on their command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,6 +223,41 @@ impl Fleet {
                 }
                 a
             }
+            Role::ActionWriter => {
+                let d = l
+                    .dispatch
+                    .as_ref()
+                    .context("an action writer without the dispatcher fleet's settings")?;
+                vec![
+                    "action-writer".into(),
+                    format!("--keys={}", d.keys),
+                    format!("--pause-min-ms={}", d.writer_pause_ms.0),
+                    format!("--pause-max-ms={}", d.writer_pause_ms.1),
+                ]
+            }
+            Role::Dispatcher { crash_slot } => {
+                let d = l
+                    .dispatch
+                    .as_ref()
+                    .context("a dispatcher without the dispatcher fleet's settings")?;
+                let mut a = vec![
+                    "dispatcher".into(),
+                    format!("--api-url={}", d.api_url),
+                    format!("--max-in-flight={}", d.max_in_flight),
+                    format!(
+                        "--batch-size={}",
+                        self.rng.random_range(4..=MAX_DISPATCH_BATCH)
+                    ),
+                    format!("--call-timeout-ms={}", d.call_timeout.as_millis()),
+                ];
+                if self.faults_on && *crash_slot {
+                    a.push(format!(
+                        "--crash-after-call-batches={}",
+                        self.rng.random_range(0..5)
+                    ));
+                }
+                a
+            }
         };
         cmd.args(&role_args)
             // The URL may carry a password: the environment, not the process list.
@@ -263,6 +320,9 @@ impl Fleet {
             }
             (Role::Producer, Some(EXIT_PRODUCER_BEFORE_COMMIT)) => Some(Kind::ProducerBeforeCommit),
             (Role::Producer, Some(EXIT_PRODUCER_AFTER_COMMIT)) => Some(Kind::ProducerAfterCommit),
+            (Role::Dispatcher { .. }, Some(EXIT_DISPATCHER_AFTER_CALL)) => {
+                Some(Kind::DispatcherAfterCall)
+            }
             _ => None,
         };
         if let Some(kind) = crash {
@@ -276,6 +336,8 @@ impl Fleet {
                     Role::Producer => Kind::ProducerKill,
                     Role::Relay { .. } => Kind::RelayKill,
                     Role::Consumer { .. } => Kind::ConsumerKill,
+                    Role::ActionWriter => Kind::ActionWriterKill,
+                    Role::Dispatcher { .. } => Kind::DispatcherKill,
                 };
                 self.counts.add(kind, 1);
             }

@@ -12,6 +12,11 @@
 //! * several **consumer** processes in one group, and one in a second group, record each
 //!   event's effect in an effect table that has *no* unique constraint, so a double effect
 //!   would be visible.
+//! * in the `ci` profile, the **dispatcher fleet** (issue 28) beside them, on the same outbox
+//!   table: an action writer committing actions for many keys (each carrying its key's
+//!   counter), and dispatcher processes performing them with the HTTP executor against a
+//!   billing API the orchestrator serves ([`dispatch`]), which lags, fails with 503, stalls
+//!   after applying, and goes away, at random.
 //!
 //! Faults, in a loop with seeded random timing and bounded in count and time: `kill -9` of
 //! relays (mid-batch) and consumers (mid-handler); relays that crash after Kafka acknowledged
@@ -23,12 +28,15 @@
 //! Postgres connection of the run terminated with `pg_terminate_backend`; and malformed
 //! records injected straight into the live topic.
 //!
-//! Afterwards the [`checker`] verifies, from the database and from the topic read back with
+//! The dispatchers are killed too (`kill -9`, and a crash after the calls before their record),
+//! as is the action writer. Afterwards the [`checker`] verifies, from the database and from the topic read back with
 //! a plain consumer: every committed row was published; every event's effect is recorded
 //! exactly once per consumer group; per-key effect order is the outbox commit order; the
 //! outbox drained; nothing rolled back shows up anywhere; state and outbox rows agree; and
 //! every malformed record was quarantined by each group with the expected reason while the
-//! partition kept flowing. One summary line is printed; the exit status is non-zero when any
+//! partition kept flowing; and [`dispatch::check`] that the API's ledger holds every committed
+//! action applied exactly once, under its own idempotency key, in each key's commit order,
+//! with that charge's answer stored as its outcome. One summary line is printed; the exit status is non-zero when any
 //! invariant fails.
 //!
 //! ```text
@@ -45,14 +53,15 @@
 //! profile's first run ends with the same phase, held longer.
 //! The broker's jars come from `scripts/services.sh` (`resolve_jars kafka`), found through
 //! `OUTBOX_TEST_KAFKA_CLASSPATH_FILE` (default `.services/kafka.classpath` in the repository).
-//! The child roles (`producer`, `relay`, `consumer`) are internal: the orchestrator spawns
-//! them from its own executable.
+//! The child roles (`producer`, `relay`, `consumer`, `action-writer`, `dispatcher`) are
+//! internal: the orchestrator spawns them from its own executable.
 
 mod broker;
 mod checker;
 mod children;
 mod cluster;
 mod db;
+mod dispatch;
 mod faults;
 mod fleet;
 mod kafka;
@@ -90,6 +99,12 @@ enum Command {
     /// Internal: one consumer process.
     #[command(hide = true)]
     Consumer(children::consumer::Args),
+    /// Internal: the dispatcher fleet's writer of actions.
+    #[command(hide = true)]
+    ActionWriter(children::action_writer::Args),
+    /// Internal: one dispatcher process.
+    #[command(hide = true)]
+    Dispatcher(children::dispatcher::Args),
 }
 
 fn main() -> ExitCode {
@@ -118,6 +133,8 @@ fn main() -> ExitCode {
             Command::Producer(args) => children::producer::run(args).await.map(|()| true),
             Command::Relay(args) => children::relay::run(args).await.map(|()| true),
             Command::Consumer(args) => children::consumer::run(args).await.map(|()| true),
+            Command::ActionWriter(args) => children::action_writer::run(args).await.map(|()| true),
+            Command::Dispatcher(args) => children::dispatcher::run(args).await.map(|()| true),
         }
     });
     // A client still closing on a blocking thread (a consumer whose broker is down) must not

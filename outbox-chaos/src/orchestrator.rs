@@ -11,12 +11,13 @@ use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use crate::checker::{self, Target};
+use crate::children::action_writer::action_key;
 use crate::children::producer::key_name;
 use crate::children::relay::Policy;
 use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::faults::Chaos;
-use crate::fleet::{Fleet, Launch, Role, lock, wait_fleet};
+use crate::fleet::{DispatchLaunch, Fleet, Launch, Role, lock, wait_fleet};
 use crate::kafka::TopicSpec;
 use crate::long_faults::{LongFaultPhase, TOPIC_MAX_MESSAGE_BYTES};
 use crate::pg_server::{LocalPg, StopMode};
@@ -129,7 +130,16 @@ async fn run_one(
         None => server_url(args)?,
     };
     let keys: Vec<String> = (0..profile.keys).map(key_name).collect();
-    let db = ChaosDb::create(&database_url, tables, &keys).await?;
+    let action_keys: Vec<String> = (0..profile.dispatch.as_ref().map_or(0, |d| d.keys))
+        .map(action_key)
+        .collect();
+    let db = ChaosDb::create(&database_url, tables, &keys, &action_keys).await?;
+    // The dispatcher fleet's billing API, served by this process so that it and its ledger
+    // outlive every child.
+    let api = match &profile.dispatch {
+        Some(load) => Some(crate::dispatch::start_api(load).await?),
+        None => None,
+    };
     let mut broker = Cluster::start(&dir, profile.brokers).await?;
     let brokers = broker.address();
     let topic = format!("chaos.{run_id}");
@@ -159,13 +169,25 @@ async fn run_one(
         producer_pause_ms: profile.producer_pause_ms,
         relay_retry: profile.relay_retry,
         relay_policy: Policy::default(),
+        dispatch: profile
+            .dispatch
+            .as_ref()
+            .zip(api.as_ref())
+            .map(|(load, api)| DispatchLaunch {
+                api_url: api.charges_url(),
+                keys: load.keys,
+                writer_pause_ms: load.writer_pause_ms,
+                max_in_flight: load.max_in_flight,
+                call_timeout: load.call_timeout,
+            }),
     };
     let fleet = Arc::new(Mutex::new(Fleet::new(launch, seed)));
-    let producer = start_fleet(&fleet, profile)?;
+    let writers = start_fleet(&fleet, profile)?;
     let supervising = CancellationToken::new();
     let supervisor = tokio::spawn(supervise(Arc::clone(&fleet), supervising.clone()));
 
     Chaos::new(&fleet, &mut broker, &db, profile, &topic, GROUP_A, seed)
+        .with_api(api.as_ref())
         .run()
         .await?;
     let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
@@ -188,13 +210,18 @@ async fn run_one(
         None => Vec::new(),
     };
 
-    // Drain: no more faults; the producer stops; everything committed must come through.
+    // Drain: no more faults; the writers stop; everything committed must come through.
     {
         let mut f = lock(&fleet);
         f.faults_on = false;
-        f.stop(producer, false);
+        for &writer in &writers {
+            f.stop(writer, false);
+        }
     }
-    wait_fleet(&fleet, Duration::from_secs(30), |f| f.exited(producer)).await?;
+    wait_fleet(&fleet, Duration::from_secs(30), |f| {
+        writers.iter().all(|&w| f.exited(w))
+    })
+    .await?;
     // The last broker fault may have left it starting: the drain's clock starts once it is up.
     broker.wait_ready().await?;
     let drained = wait_drained(
@@ -223,6 +250,16 @@ async fn run_one(
         groups: &groups,
     })
     .await?;
+    if let Some(api) = &api {
+        crate::dispatch::check(
+            &db.pool,
+            tables,
+            &api.charges(),
+            api.requests().total,
+            &mut summary,
+        )
+        .await?;
+    }
     {
         let f = lock(&fleet);
         summary.counts = f.counts.clone();
@@ -244,11 +281,27 @@ async fn run_one(
     Ok(summary)
 }
 
-/// Starts the producer, the relays (one in crash-after-ack mode) and the consumers; returns
-/// the producer's index.
-fn start_fleet(fleet: &Mutex<Fleet>, profile: &Profile) -> Result<usize> {
+/// Starts the producer, the relays (one in crash-after-ack mode) and the consumers, and with
+/// the dispatcher fleet its action writer and dispatchers (one in crash-after-call mode);
+/// returns the writers' indexes (the producer's, the action writer's).
+fn start_fleet(fleet: &Mutex<Fleet>, profile: &Profile) -> Result<Vec<usize>> {
     let mut f = lock(fleet);
-    let producer = f.add("producer", Role::Producer, true)?;
+    let mut writers = vec![f.add("producer", Role::Producer, true)?];
+    if let Some(load) = &profile.dispatch {
+        writers.push(f.add("action-writer", Role::ActionWriter, true)?);
+        f.add(
+            "dispatcher-crashy",
+            Role::Dispatcher { crash_slot: true },
+            true,
+        )?;
+        for i in 1..=load.dispatchers {
+            f.add(
+                &format!("dispatcher-{i}"),
+                Role::Dispatcher { crash_slot: false },
+                true,
+            )?;
+        }
+    }
     f.add("relay-crashy", Role::Relay { crash_slot: true }, true)?;
     for i in 1..=profile.relays {
         f.add(
@@ -267,7 +320,7 @@ fn start_fleet(fleet: &Mutex<Fleet>, profile: &Profile) -> Result<usize> {
         group: GROUP_B.into(),
     };
     f.add("consumer-b1", role, true)?;
-    Ok(producer)
+    Ok(writers)
 }
 
 /// Reaps and respawns children until cancelled.
@@ -297,8 +350,8 @@ async fn wait_drained(
     let quarantine = &tables.consumer_quarantine;
     let pending_sql = format!(
         "SELECT (SELECT count(*) FROM {outbox} WHERE status = 'pending'), \
-                (SELECT count(*) FROM {outbox} \
-                 WHERE id NOT IN (SELECT event_id FROM chaos_expected_quarantine)), \
+                (SELECT count(*) FROM {outbox} WHERE topic NOT LIKE 'dispatch:%' \
+                   AND id NOT IN (SELECT event_id FROM chaos_expected_quarantine)), \
                 (SELECT count(*) FROM chaos_poison)"
     );
     let effects_sql = format!(

@@ -4,6 +4,26 @@ use std::time::Duration;
 
 use crate::fleet::RelayRetry;
 
+/// The dispatcher fleet: a writer committing actions for many keys, dispatchers performing
+/// them against the billing API the orchestrator serves, which fails and lags at random.
+#[derive(Debug, Clone)]
+pub(crate) struct DispatchLoad {
+    /// Keys of the actions (`a000`, `a001`, ...), each with its own counter.
+    pub(crate) keys: u32,
+    /// The writer's pause between transactions (1 to 3 actions each), in milliseconds.
+    pub(crate) writer_pause_ms: (u64, u64),
+    /// Dispatcher processes in normal mode (one more runs in crash-after-call mode).
+    pub(crate) dispatchers: usize,
+    /// Each dispatcher's `max_in_flight` (its batch size is drawn from 4 to 16).
+    pub(crate) max_in_flight: usize,
+    /// Each dispatcher's `call_timeout`: a stalled response outlasts it.
+    pub(crate) call_timeout: Duration,
+    /// The API's latency per request, drawn from this range.
+    pub(crate) latency: std::ops::Range<Duration>,
+    /// The share of requests the API answers 503 (before applying anything).
+    pub(crate) fail_rate: f64,
+}
+
 /// A named set of run parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum ProfileName {
@@ -91,6 +111,8 @@ pub(crate) struct Profile {
     /// Postgres server of its own when the phase stops Postgres; the other runs use the
     /// shared one).
     pub(crate) long_faults: Option<LongFaults>,
+    /// The dispatcher fleet beside the Kafka fleet (`None`: no actions, no billing API).
+    pub(crate) dispatch: Option<DispatchLoad>,
 }
 
 /// The relays' retries while a topic is deleted and created again: while it is missing every
@@ -117,10 +139,14 @@ impl Profile {
                 name: "ci",
                 runs: 1,
                 fault_phase: Duration::from_secs(90),
-                max_faults: 80,
+                // 80 for the Kafka fleet (it reached them before its 90 s were up), and as
+                // many again in proportion for the dispatcher fleet's faults (weight 6 beside
+                // the Kafka fleet's 23): the Kafka fleet's faults are not thinned out by them.
+                max_faults: 105,
                 fault_gap_ms: (400, 1200),
                 brokers: 1,
-                broker_fault_weight: 2,
+                // 3 of 29 with the dispatcher fleet's 6: about the share 2 of 22 had before.
+                broker_fault_weight: 3,
                 partitions: 4,
                 keys: 24,
                 // At 10-40 ms the debug build's consumers ended the fault phase half behind
@@ -133,6 +159,17 @@ impl Profile {
                 drain_timeout: Duration::from_secs(180),
                 relay_retry: RelayRetry::PATIENT,
                 long_faults: None,
+                dispatch: Some(DispatchLoad {
+                    keys: 150,
+                    // About 30 actions a second, a dozen per key over the run: beside the
+                    // Kafka fleet on 2 cores, without slowing its consumers' catching up.
+                    writer_pause_ms: (40, 120),
+                    dispatchers: 2,
+                    max_in_flight: 16,
+                    call_timeout: Duration::from_secs(2),
+                    latency: Duration::ZERO..Duration::from_millis(30),
+                    fail_rate: 0.1,
+                }),
             },
             ProfileName::Long => Self {
                 name: "long",
@@ -172,6 +209,9 @@ impl Profile {
                     bound: Duration::from_secs(120),
                     drain_wait: Duration::from_secs(300),
                 }),
+                // The long faults' drains count the whole outbox; the dispatcher fleet runs in
+                // the `ci` profile.
+                dispatch: None,
             },
             ProfileName::Cluster => Self {
                 name: "cluster",
@@ -179,6 +219,8 @@ impl Profile {
                 // restart takes longer than one fault gap, and the loop takes no second node
                 // down while one is starting, so most broker picks are skipped.
                 broker_fault_weight: 10,
+                // Without the dispatcher fleet (the CI profile's 105 count its faults).
+                max_faults: 80,
                 brokers: 3,
                 // Then one node of three down, twice: once with the topic still taking writes
                 // (`min.insync.replicas` 2), once with it refusing them (3). The relays
@@ -196,6 +238,7 @@ impl Profile {
                     bound: Duration::from_secs(60),
                     drain_wait: Duration::from_secs(150),
                 }),
+                dispatch: None,
                 ..Self::named(ProfileName::Ci)
             },
             ProfileName::Liveness => Self {
@@ -204,6 +247,8 @@ impl Profile {
                 // A short normal fault phase first (the long faults follow it).
                 fault_phase: Duration::from_secs(30),
                 max_faults: 30,
+                // Without the dispatcher fleet: 2 of 22, as before it.
+                broker_fault_weight: 2,
                 // Slower writers than the CI profile's: a two-minute outage then leaves a
                 // backlog of about 2,000 events, which the debug build's consumers clear
                 // within the bound; at the CI rate the figure would measure their
@@ -228,6 +273,7 @@ impl Profile {
                     bound: Duration::from_secs(60),
                     drain_wait: Duration::from_secs(150),
                 }),
+                dispatch: None,
                 ..Self::named(ProfileName::Ci)
             },
         }

@@ -47,10 +47,21 @@ pub(crate) enum Kind {
     /// One node of three down while the topic refuses writes (`min.insync.replicas` 3):
     /// timed from the node's return; nothing may be quarantined for it.
     IsrOutage,
+    /// kill -9 of a dispatcher at a random point (mostly with calls in flight).
+    DispatcherKill,
+    /// A dispatcher dying after its calls were answered, before their outcomes were recorded.
+    DispatcherAfterCall,
+    /// kill -9 of the writer of actions.
+    ActionWriterKill,
+    /// The billing API down (its listener closed, its connections cut) for a few seconds.
+    ApiOutage,
+    /// The billing API applying charges and then holding their responses back past the
+    /// dispatchers' `call_timeout`.
+    ApiStall,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 18] = [
+    pub(crate) const ALL: [Self; 23] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -69,6 +80,11 @@ impl Kind {
         Self::TopicRecreate,
         Self::PartialOutage,
         Self::IsrOutage,
+        Self::DispatcherKill,
+        Self::DispatcherAfterCall,
+        Self::ActionWriterKill,
+        Self::ApiOutage,
+        Self::ApiStall,
     ];
 
     /// The long faults, whose liveness figures the summary reports.
@@ -102,6 +118,11 @@ impl Kind {
             Self::TopicRecreate => "topic_recreate",
             Self::PartialOutage => "partial_outage",
             Self::IsrOutage => "isr_outage",
+            Self::DispatcherKill => "dispatcher_kill9",
+            Self::DispatcherAfterCall => "dispatcher_after_call",
+            Self::ActionWriterKill => "action_writer_kill9",
+            Self::ApiOutage => "api_outage",
+            Self::ApiStall => "api_stall",
         }
     }
 
@@ -114,6 +135,8 @@ impl Kind {
                 | Self::StuckKey
                 | Self::BlockedKey
                 | Self::TopicRecreate
+                | Self::ApiOutage
+                | Self::ApiStall
         )
     }
 }
@@ -168,6 +191,12 @@ pub(crate) struct Summary {
     pub(crate) liveness: BTreeMap<Kind, Duration>,
     /// The bound the figures are checked against (`None`: no long-fault phase).
     pub(crate) liveness_bound: Option<Duration>,
+    /// The dispatcher fleet: actions committed, actions tried and rolled back, charges in
+    /// the billing API's ledger, and the requests it received (retries and replays included).
+    pub(crate) actions_committed: u64,
+    pub(crate) actions_rolled_back: u64,
+    pub(crate) charges: u64,
+    pub(crate) api_requests: u64,
     // Violations:
     pub(crate) lost: u64,
     pub(crate) double_effects: u64,
@@ -187,11 +216,23 @@ pub(crate) struct Summary {
     /// Rows published while an earlier row of their key was quarantined under `BlockKey`
     /// (before the operator discarded it).
     pub(crate) published_past_block: u64,
+    /// Committed actions not done, or without a charge in the API's ledger.
+    pub(crate) actions_lost: u64,
+    /// Charges of an action beyond its first: under its own key again, or for its invoice
+    /// under a key no action has.
+    pub(crate) actions_double_applied: u64,
+    /// A key's charges out of its commit order.
+    pub(crate) actions_out_of_order: u64,
+    /// Charges under a key no committed action has (a rolled-back action's, or one the
+    /// dispatcher made up).
+    pub(crate) actions_phantom: u64,
+    /// Done actions whose stored outcome is not the answer to their charge.
+    pub(crate) actions_bad_outcome: u64,
 }
 
 impl Summary {
     /// The invariants, by their names in the summary line: each must be zero.
-    fn violations(&self) -> [(&'static str, u64); 14] {
+    fn violations(&self) -> [(&'static str, u64); 19] {
         [
             ("lost", self.lost),
             ("double_effects", self.double_effects),
@@ -210,6 +251,11 @@ impl Summary {
                 self.expected_quarantine_failures,
             ),
             ("published_past_block", self.published_past_block),
+            ("actions_lost", self.actions_lost),
+            ("actions_double_applied", self.actions_double_applied),
+            ("actions_out_of_order", self.actions_out_of_order),
+            ("actions_phantom", self.actions_phantom),
+            ("actions_bad_outcome", self.actions_bad_outcome),
         ]
     }
 
@@ -266,6 +312,15 @@ impl Summary {
                 o.expected_quarantine_failures,
             ),
             (&mut self.published_past_block, o.published_past_block),
+            (&mut self.actions_committed, o.actions_committed),
+            (&mut self.actions_rolled_back, o.actions_rolled_back),
+            (&mut self.charges, o.charges),
+            (&mut self.api_requests, o.api_requests),
+            (&mut self.actions_lost, o.actions_lost),
+            (&mut self.actions_double_applied, o.actions_double_applied),
+            (&mut self.actions_out_of_order, o.actions_out_of_order),
+            (&mut self.actions_phantom, o.actions_phantom),
+            (&mut self.actions_bad_outcome, o.actions_bad_outcome),
         ] {
             *mine += theirs;
         }
@@ -316,8 +371,14 @@ impl Summary {
         }
         let _ = write!(
             s,
-            " expected_quarantined={}/{}",
-            self.expected_quarantined, self.expected_quarantine_planned
+            " expected_quarantined={}/{} actions_committed={} actions_rolled_back={} charges={} \
+             api_requests={}",
+            self.expected_quarantined,
+            self.expected_quarantine_planned,
+            self.actions_committed,
+            self.actions_rolled_back,
+            self.charges,
+            self.api_requests,
         );
         for (name, n) in self.violations() {
             let _ = write!(s, " {name}={n}");
@@ -342,7 +403,9 @@ mod tests {
         assert!(
             line.ends_with(
                 " unexpected_exits=0 drain_timeouts=0 liveness_exceeded=0 \
-                 expected_quarantine_failures=0 published_past_block=0"
+                 expected_quarantine_failures=0 published_past_block=0 actions_lost=0 \
+                 actions_double_applied=0 actions_out_of_order=0 actions_phantom=0 \
+                 actions_bad_outcome=0"
             ),
             "{line}"
         );
@@ -367,6 +430,11 @@ mod tests {
                 liveness_exceeded: u64::from(name == "liveness_exceeded"),
                 expected_quarantine_failures: u64::from(name == "expected_quarantine_failures"),
                 published_past_block: u64::from(name == "published_past_block"),
+                actions_lost: u64::from(name == "actions_lost"),
+                actions_double_applied: u64::from(name == "actions_double_applied"),
+                actions_out_of_order: u64::from(name == "actions_out_of_order"),
+                actions_phantom: u64::from(name == "actions_phantom"),
+                actions_bad_outcome: u64::from(name == "actions_bad_outcome"),
                 ..Summary::default()
             });
             assert!(!broken.passed(), "{name}");

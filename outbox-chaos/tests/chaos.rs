@@ -1,7 +1,9 @@
 //! Runs the chaos harness's CI, cluster and liveness profiles as real processes against the real
 //! Postgres and their own Apache Kafka nodes, and holds them to the issues' figures: each run
 //! passes, with at least 50 kill cycles, both kinds of broker fault (clean restart and
-//! `kill -9`), nothing lost, no double effect and no order violation. In the cluster profile
+//! `kill -9`), nothing lost, no double effect and no order violation. The CI profile also runs
+//! the dispatcher fleet (issue 28) against a billing API that fails and lags at random: every
+//! committed action charged exactly once, none lost, each key's charges in commit order. In the cluster profile
 //! (three brokers, replication factor 3, `min.insync.replicas` 2) every broker fault takes
 //! down the leader of a partition while the relays publish with `acks=all`. The liveness
 //! profile (a short fault phase, then the broker down for over two minutes, Postgres stopped,
@@ -118,6 +120,37 @@ fn seconds(fields: &BTreeMap<String, String>, key: &str) -> f64 {
 fn ci_profile_keeps_every_guarantee_under_fifty_kill_cycles() {
     let fields = run_harness("ci");
     assert_eq!(fields.get("profile").map(String::as_str), Some("ci"));
+    // The dispatcher fleet beside it: killed at random and after its calls, against a
+    // billing API that fails, lags, stalls after applying and goes away; every committed
+    // action charged once, in its key's order, with the charge's answer as its outcome.
+    for zero in [
+        "actions_lost",
+        "actions_double_applied",
+        "actions_out_of_order",
+        "actions_phantom",
+        "actions_bad_outcome",
+    ] {
+        assert_eq!(number(&fields, zero), 0, "{zero} must be 0: {fields:?}");
+    }
+    let actions = number(&fields, "actions_committed");
+    assert!(
+        actions >= 500,
+        "only {actions} actions committed: {fields:?}"
+    );
+    assert_eq!(number(&fields, "charges"), actions, "{fields:?}");
+    for fault in [
+        "dispatcher_kill9",
+        "dispatcher_after_call",
+        "api_outage",
+        "api_stall",
+    ] {
+        assert!(
+            number(&fields, fault) >= 1,
+            "no {fault} in the run: {fields:?}"
+        );
+    }
+    // Retries and replays reached the API: more requests than charges.
+    assert!(number(&fields, "api_requests") > actions, "{fields:?}");
 }
 
 #[test]

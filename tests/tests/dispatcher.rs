@@ -476,7 +476,7 @@ async fn configurations_that_cannot_work_are_refused() -> Result<()> {
         DispatcherConfig::new(""),
         config().max_in_flight(0),
         config().call_timeout(Duration::ZERO),
-        // 64 / 16 = 4 batches side by side and a listener: more than 2 connections.
+        // 64 / 16 = 4 batches side by side, one more and a listener: more than 2 connections.
         config(),
     ] {
         assert!(

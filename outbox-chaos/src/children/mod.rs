@@ -2,7 +2,9 @@
 //! SIGTERM (or when its parent dies), and exits with a distinctive status when an injected
 //! crash fires, so the orchestrator can tell a planned crash from a real one.
 
+pub(crate) mod action_writer;
 pub(crate) mod consumer;
+pub(crate) mod dispatcher;
 pub(crate) mod producer;
 pub(crate) mod relay;
 
@@ -24,6 +26,9 @@ pub(crate) const EXIT_CONSUMER_AFTER_COMMIT: i32 = 18;
 pub(crate) const EXIT_PRODUCER_BEFORE_COMMIT: i32 = 19;
 /// Exit status of a producer that died right after its commit returned.
 pub(crate) const EXIT_PRODUCER_AFTER_COMMIT: i32 = 20;
+/// Exit status of a dispatcher whose injected crash after the calls (before recording their
+/// outcomes) fired.
+pub(crate) const EXIT_DISPATCHER_AFTER_CALL: i32 = 21;
 
 /// The event type every good event carries (the consumers accept only this one).
 pub(crate) const EVENT_TYPE: &str = "ChaosEvent";

@@ -9,7 +9,7 @@ use crate::relay::{AfterPublish, QuarantinePolicy, RelayConfig};
 /// Claiming, retrying, quarantining, waking up and shutting down work as the relay's do, with
 /// the same settings ([`RelayConfig`], in [`Self::lane`]); a dispatcher's batches are smaller
 /// by default (16 rows), and several run side by side (`max_in_flight / batch_size`, rounded
-/// up), so that a slow call holds back the record of at most its own batch.
+/// up, and one more), so that a slow call holds back the record of at most its own batch.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct DispatcherConfig {
@@ -89,12 +89,16 @@ impl DispatcherConfig {
         self
     }
 
-    /// Batches run side by side.
+    /// Batches run side by side: as many as `max_in_flight` calls fill, and one more, which
+    /// claims and records while the others call. Without it every batch's claim, record and
+    /// commit left its share of `max_in_flight` idle: at 20 ms per call, 64 in flight and
+    /// batches of 16, 2,175 actions/s (0.68 of 64 / 20 ms); with it 2,660/s (0.83), and two
+    /// or four more did no better (outbox-bench P9b, 2026-12-06).
     pub(crate) fn workers(&self) -> usize {
         let batch = usize::try_from(self.lane.batch_size)
             .unwrap_or(usize::MAX)
             .max(1);
-        self.max_in_flight.div_ceil(batch).max(1)
+        self.max_in_flight.div_ceil(batch).max(1) + 1
     }
 
     pub(crate) fn validate(&self) -> Result<String, crate::ProducerError> {

@@ -28,7 +28,8 @@
 //!   A call is bounded by `call_timeout`, and a panic is caught: both count as a retry.
 //! - **A slow call** holds back the record of its own batch (`batch_size` rows, 16 by
 //!   default) until it ends, never the other batches: the dispatcher runs
-//!   `max_in_flight / batch_size` batches side by side.
+//!   `max_in_flight / batch_size` batches side by side, and one more that claims and records
+//!   while the others call (calls stay capped at `max_in_flight`).
 //!
 //! A relay and dispatchers serve one table side by side: the relay never claims rows whose
 //! topic is `dispatch:...`, a dispatcher only its own destination's. Order holds per lane (a
@@ -105,7 +106,8 @@ impl<E: Executor> std::fmt::Debug for Dispatcher<E> {
 
 impl<E: Executor> Dispatcher<E> {
     /// A dispatcher of `config.destination`'s actions. The pool needs a connection per batch
-    /// run side by side (`max_in_flight / batch_size`, rounded up) and one to LISTEN.
+    /// run side by side (`max_in_flight / batch_size`, rounded up, and one more) and one to
+    /// LISTEN: 6 with the defaults.
     pub fn new(pool: PgPool, config: DispatcherConfig, executor: E) -> Result<Self, ProducerError> {
         let topic = config.validate()?;
         let metrics = LaneMetrics {
@@ -156,7 +158,7 @@ impl<E: Executor> Dispatcher<E> {
     }
 
     /// Runs batches until `shutdown` is cancelled (see [`crate::Relay::run`]: the same loop),
-    /// `max_in_flight / batch_size` of them side by side. Shutdown takes at most
+    /// `max_in_flight / batch_size` (and one more) side by side. Shutdown takes at most
     /// `shutdown_timeout`: calls still in flight then are dropped and their actions stay
     /// pending, to be called again with the same key.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), ProducerError> {

@@ -1,0 +1,509 @@
+//! P9: the dispatcher against a real HTTP billing API (`outbox_examples::billing_api`).
+//!
+//! - P9a: against an API that answers at once, the dispatcher (`Dispatcher::run` with the
+//!   HTTP executor) vs the hand-written loop of issue 28 (claim `FOR UPDATE SKIP LOCKED`,
+//!   call, mark, commit) with the same reqwest client and the same concurrency, 64 calls in
+//!   flight: 4 loops claiming 16 rows each (the dispatcher's batch size) and calling a
+//!   batch's rows at once.
+//! - P9b: at 20 ms of API latency with `max_in_flight` 64, the dispatcher's actions/s against
+//!   the bound that concurrency across keys allows, 64 / 20 ms = 3,200/s, with each key's
+//!   charges in the API's ledger checked to be in commit order, once each.
+//!
+//! Every run gets a fresh schema with the same actions (many keys, several actions per key,
+//! enqueued key after key so that a batch holds different keys) and a fresh API.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use futures::future::try_join_all;
+use outbox_examples::billing_api::{BillingApi, Charge};
+use outbox_producer::NewEvent;
+use outbox_producer::dispatch::{Action, Dispatcher, DispatcherConfig, Executor, HttpExecutor};
+use outbox_tests::TestDb;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::Settings;
+use crate::p2_relay::wait_drained;
+use crate::sample::{Figure, Sample};
+use crate::sql_times;
+
+const DESTINATION: &str = "bench";
+const TOPIC: &str = "dispatch:bench";
+/// Actions per key.
+const PER_KEY: usize = 4;
+/// The dispatcher's calls in flight (its default).
+const MAX_IN_FLIGHT: usize = 64;
+/// P9b's API latency.
+const LATENCY: Duration = Duration::from_millis(20);
+
+/// The dispatcher's settings in both figures: the defaults (batches of 16, 64 calls in
+/// flight, 4 + 1 batches side by side).
+fn config() -> DispatcherConfig {
+    DispatcherConfig::new(DESTINATION).max_in_flight(MAX_IN_FLIGHT)
+}
+
+/// Enqueues `actions` actions, `PER_KEY` per key, key after key (k0 #0, k1 #0, ..., k0 #1,
+/// ...), in transactions of 1,000.
+async fn fill(pool: &PgPool, actions: usize) -> Result<()> {
+    let keys = actions.div_ceil(PER_KEY);
+    let all: Vec<(usize, usize)> = (0..PER_KEY)
+        .flat_map(|n| (0..keys).map(move |k| (k, n)))
+        .take(actions)
+        .collect();
+    for chunk in all.chunks(1_000) {
+        let batch = chunk
+            .iter()
+            .map(|&(k, n)| {
+                let key = format!("k{k}");
+                let payload =
+                    json!({ "invoice": format!("{key}/{n}"), "cents": 1200, "key": key, "n": n });
+                Ok(NewEvent::new("task", key, "Charge", &payload)?.for_dispatcher(DESTINATION)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut tx = pool.begin().await?;
+        outbox_producer::enqueue_all(&mut tx, &batch).await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+/// A fresh schema holding `actions` pending actions, and a fresh API with `latency`.
+async fn fixture(actions: usize, latency: Option<Duration>) -> Result<(TestDb, BillingApi)> {
+    let db = TestDb::with_pool_size(12).await?;
+    fill(&db.pool, actions).await?;
+    sqlx::query("VACUUM ANALYZE outbox_events")
+        .execute(&db.pool)
+        .await?;
+    let api = BillingApi::start().await?;
+    if let Some(latency) = latency {
+        // A range of one microsecond: every request waits 20 ms.
+        api.set_latency(latency..latency + Duration::from_micros(1));
+    }
+    Ok((db, api))
+}
+
+/// Every action done once, and each key's charges in its actions' order.
+fn check_ledger(charges: &[Charge], actions: usize) -> Result<()> {
+    ensure!(
+        charges.len() == actions,
+        "{} charges for {actions} actions",
+        charges.len()
+    );
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    let mut out_of_order = 0;
+    for charge in charges {
+        let (key, n) = charge
+            .invoice
+            .rsplit_once('/')
+            .and_then(|(k, n)| Some((k, n.parse::<usize>().ok()?)))
+            .ok_or_else(|| anyhow::anyhow!("invoice {}", charge.invoice))?;
+        if last.insert(key, n).is_some_and(|previous| previous >= n) {
+            out_of_order += 1;
+        }
+    }
+    ensure!(out_of_order == 0, "{out_of_order} charges out of key order");
+    Ok(())
+}
+
+/// The durations of the executor's calls (the breakdown's executor wraps the HTTP one).
+#[derive(Debug, Clone, Default)]
+struct CallTimes(Arc<Mutex<Vec<f64>>>);
+
+impl CallTimes {
+    fn push(&self, d: Duration) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(d.as_secs_f64());
+    }
+
+    fn mean_ms(&self) -> f64 {
+        let all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        1000.0 * all.iter().sum::<f64>() / all.len().max(1) as f64
+    }
+}
+
+/// How long `executor`'s dispatcher takes to perform every action of a fresh fixture.
+async fn dispatcher_run<E: Executor>(
+    db: &TestDb,
+    api: &BillingApi,
+    executor: E,
+    actions: usize,
+) -> Result<Duration> {
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let running = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    wait_drained(&db.pool).await?;
+    let elapsed = started.elapsed();
+    shutdown.cancel();
+    running.await??;
+    let done: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE status = 'published'")
+            .fetch_one(&db.pool)
+            .await?;
+    ensure!(done as usize == actions, "{done} of {actions} actions done");
+    check_ledger(&api.charges(), actions)?;
+    Ok(elapsed)
+}
+
+/// Actions per second for the dispatcher to perform every action of a fresh fixture.
+async fn dispatcher_rate(
+    client: &reqwest::Client,
+    actions: usize,
+    latency: Option<Duration>,
+) -> Result<f64> {
+    let (db, api) = fixture(actions, latency).await?;
+    let executor = HttpExecutor::post_json(client.clone(), api.charges_url().parse()?);
+    let elapsed = dispatcher_run(&db, &api, executor, actions).await?;
+    Ok(actions as f64 / elapsed.as_secs_f64())
+}
+
+/// One hand-written loop: claim a batch, call its rows at once, mark them with the answers,
+/// commit; until a claim finds nothing. Returns the actions it performed. `times`, if any,
+/// gets each call's duration, and `phases` each batch's calls phase (from the claim's end to
+/// the last answer).
+async fn hand_loop(
+    pool: &PgPool,
+    client: &reqwest::Client,
+    url: &str,
+    batch: i64,
+    times: Option<(&CallTimes, &CallTimes)>,
+) -> Result<usize> {
+    let mut done = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(i64, uuid::Uuid, String)> = sqlx::query_as(
+            "SELECT seq, id, payload::text FROM outbox_events \
+             WHERE status = 'pending' AND topic = $1 ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(TOPIC)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            return Ok(done);
+        }
+        let calls_started = Instant::now();
+        let answers = try_join_all(rows.iter().map(|(_, id, payload)| async move {
+            let started = Instant::now();
+            let response = client
+                .post(url)
+                .header("Idempotency-Key", id.to_string())
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(payload.clone())
+                .send()
+                .await?;
+            ensure!(response.status().is_success(), "{}", response.status());
+            let body = response.text().await?;
+            if let Some((calls, _)) = times {
+                calls.push(started.elapsed());
+            }
+            Ok(body)
+        }))
+        .await?;
+        if let Some((_, phases)) = times {
+            phases.push(calls_started.elapsed());
+        }
+        let seqs: Vec<i64> = rows.iter().map(|(seq, _, _)| *seq).collect();
+        sqlx::query(
+            "UPDATE outbox_events AS e SET status = 'published', published_at = clock_timestamp(), \
+                    attempts = e.attempts + 1, outcome = d.outcome::jsonb \
+             FROM unnest($1::bigint[], $2::text[]) AS d(seq, outcome) WHERE e.seq = d.seq",
+        )
+        .bind(&seqs)
+        .bind(&answers)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        done += rows.len();
+    }
+}
+
+/// As many hand-written loops as 64 calls in flight fill with the dispatcher's batch size
+/// (the dispatcher runs one batch more, claiming and recording while the others call), and
+/// that batch size.
+fn loops() -> (usize, i64) {
+    let config = config();
+    (
+        MAX_IN_FLIGHT.div_ceil(config.lane.batch_size as usize),
+        i64::from(config.lane.batch_size),
+    )
+}
+
+/// How long the hand-written loops take to perform every action of a fresh fixture.
+async fn hand_loop_run(
+    db: &TestDb,
+    api: &BillingApi,
+    client: &reqwest::Client,
+    actions: usize,
+    times: Option<(&CallTimes, &CallTimes)>,
+) -> Result<Duration> {
+    let (loops, batch) = loops();
+    let url = api.charges_url();
+    let started = Instant::now();
+    let done: usize =
+        try_join_all((0..loops).map(|_| hand_loop(&db.pool, client, &url, batch, times)))
+            .await?
+            .into_iter()
+            .sum();
+    let elapsed = started.elapsed();
+    ensure!(done == actions, "{done} of {actions} actions done");
+    ensure!(api.charges().len() == actions, "charges");
+    Ok(elapsed)
+}
+
+/// Actions per second for the hand-written loops.
+async fn hand_loop_rate(
+    client: &reqwest::Client,
+    actions: usize,
+    latency: Option<Duration>,
+) -> Result<f64> {
+    let (db, api) = fixture(actions, latency).await?;
+    let elapsed = hand_loop_run(&db, &api, client, actions, None).await?;
+    Ok(actions as f64 / elapsed.as_secs_f64())
+}
+
+/// Where a batch's time goes, in milliseconds per batch: each kind of statement (client-side,
+/// from sending it to its last row), and the rest of the batch's cycle (the calls, the work
+/// in the process around them, and `BEGIN`, which sqlx does not log).
+#[derive(Debug, Default)]
+struct Breakdown {
+    /// Batches that claimed rows.
+    batches: u64,
+    rows_per_batch: f64,
+    /// Workers × elapsed / batches: one worker's time per batch.
+    cycle: f64,
+    settings: f64,
+    claim: f64,
+    mark: f64,
+    commit: f64,
+    /// Everything else of the cycle: the calls and the work around them.
+    rest: f64,
+    /// The mean call.
+    call: f64,
+    /// The hand loop's mean calls phase (claim's end to last answer); NaN for the dispatcher.
+    calls_phase: f64,
+}
+
+impl Breakdown {
+    fn of(
+        statements: &std::collections::BTreeMap<String, sql_times::Statement>,
+        workers: usize,
+        elapsed: Duration,
+        call: f64,
+        calls_phase: f64,
+    ) -> Self {
+        let sum = |prefixes: &[&str]| {
+            statements
+                .iter()
+                .filter(|(summary, _)| prefixes.iter().any(|p| summary.starts_with(p)))
+                .fold(sql_times::Statement::default(), |a, (_, s)| {
+                    sql_times::Statement {
+                        count: a.count + s.count,
+                        secs: a.secs + s.secs,
+                        rows: a.rows + s.rows,
+                    }
+                })
+        };
+        let claims = sum(&["WITH claimed AS", "SELECT seq, id, payload::text"]);
+        // The last claims of each worker come back empty.
+        let batches = claims.count.saturating_sub(workers as u64).max(1);
+        let per_batch = |s: sql_times::Statement| 1000.0 * s.secs / batches as f64;
+        let cycle = 1000.0 * workers as f64 * elapsed.as_secs_f64() / batches as f64;
+        let mut b = Self {
+            batches,
+            rows_per_batch: claims.rows as f64 / batches as f64,
+            cycle,
+            settings: per_batch(sum(&["SET LOCAL"])),
+            claim: per_batch(claims),
+            // The dispatcher's names the table quoted.
+            mark: per_batch(sum(&["UPDATE"])),
+            commit: per_batch(sum(&["COMMIT"])),
+            call,
+            calls_phase,
+            ..Self::default()
+        };
+        b.rest = b.cycle - b.settings - b.claim - b.mark - b.commit;
+        b
+    }
+
+    fn line(&self, who: &str) -> String {
+        format!(
+            "{who:<11} {:>6} batches of {:>4.1} rows, per batch (ms): cycle {:>6.2} = settings \
+             {:.2} + claim {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean \
+             call {:.2} ms, calls phase {:.2} ms",
+            self.batches,
+            self.rows_per_batch,
+            self.cycle,
+            self.settings,
+            self.claim,
+            self.mark,
+            self.commit,
+            self.rest,
+            self.call,
+            self.calls_phase
+        )
+    }
+}
+
+/// One run of each variant on a fresh fixture with every statement and every call timed
+/// (not part of the figures: the timing costs a little): where a batch's time goes.
+async fn breakdown(
+    client: &reqwest::Client,
+    actions: usize,
+    latency: Option<Duration>,
+) -> Result<(Breakdown, Breakdown)> {
+    let (loops, _) = loops();
+    // The dispatcher's batches side by side (`DispatcherConfig::workers`).
+    let batches = loops + 1;
+    let (db, api) = fixture(actions, latency).await?;
+    let calls = CallTimes::default();
+    let executor = {
+        let (http, calls) = (
+            HttpExecutor::post_json(client.clone(), api.charges_url().parse()?),
+            calls.clone(),
+        );
+        move |action: Action| {
+            let (http, calls) = (http.clone(), calls.clone());
+            async move {
+                let started = Instant::now();
+                let outcome = http.execute(action).await;
+                calls.push(started.elapsed());
+                outcome
+            }
+        }
+    };
+    sql_times::start();
+    let elapsed = dispatcher_run(&db, &api, executor, actions).await;
+    let statements = sql_times::stop();
+    let dispatcher = Breakdown::of(&statements, batches, elapsed?, calls.mean_ms(), f64::NAN);
+
+    let (db, api) = fixture(actions, latency).await?;
+    let (calls, phases) = (CallTimes::default(), CallTimes::default());
+    sql_times::start();
+    let elapsed = hand_loop_run(&db, &api, client, actions, Some((&calls, &phases))).await;
+    let statements = sql_times::stop();
+    let hand = Breakdown::of(
+        &statements,
+        loops,
+        elapsed?,
+        calls.mean_ms(),
+        phases.mean_ms(),
+    );
+    Ok((dispatcher, hand))
+}
+
+/// The breakdown's figures: each part of the dispatcher's batch against the same part of
+/// the hand loop's, in ms per batch (no targets).
+fn breakdown_figures(id: &'static str, dispatcher: &Breakdown, hand: &Breakdown) -> Vec<Figure> {
+    type Part = (&'static str, fn(&Breakdown) -> f64);
+    let parts: [Part; 7] = [
+        ("cycle", |b| b.cycle),
+        ("SET LOCAL settings", |b| b.settings),
+        ("claim", |b| b.claim),
+        ("mark", |b| b.mark),
+        ("commit", |b| b.commit),
+        ("calls and the rest", |b| b.rest),
+        ("mean call (ms per call)", |b| b.call),
+    ];
+    parts
+        .iter()
+        .map(|(part, of)| {
+            Figure::at_most(
+                id,
+                format!("breakdown: {part}"),
+                "ms/batch",
+                Sample {
+                    values: vec![of(dispatcher)],
+                },
+                "hand loop's",
+                Sample {
+                    values: vec![of(hand)],
+                },
+                None,
+            )
+        })
+        .collect()
+}
+
+pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
+    let actions = settings.actions;
+    // One client for every run of both variants: the executor's and the loops' calls go
+    // through the same connection pool settings.
+    let client = reqwest::Client::new();
+    let [
+        mut dispatched,
+        mut looped,
+        mut dispatched_slow,
+        mut looped_slow,
+    ]: [Sample; 4] = Default::default();
+    for round in 0..settings.rounds {
+        dispatched.push(dispatcher_rate(&client, actions, None).await?);
+        looped.push(hand_loop_rate(&client, actions, None).await?);
+        dispatched_slow.push(dispatcher_rate(&client, actions, Some(LATENCY)).await?);
+        looped_slow.push(hand_loop_rate(&client, actions, Some(LATENCY)).await?);
+        eprintln!(
+            "P9 round {round}: dispatcher {:.0}, hand loop {:.0} actions/s; at {LATENCY:?}: \
+             dispatcher {:.0}, hand loop {:.0} actions/s",
+            dispatched.values[round],
+            looped.values[round],
+            dispatched_slow.values[round],
+            looped_slow.values[round],
+        );
+    }
+    // Where a batch's time goes, at once and at 20 ms.
+    let (at_once, at_once_hand) = breakdown(&client, actions, None).await?;
+    let (slow, slow_hand) = breakdown(&client, actions, Some(LATENCY)).await?;
+    for (what, dispatcher, hand) in [
+        ("API at once", &at_once, &at_once_hand),
+        ("API at 20 ms", &slow, &slow_hand),
+    ] {
+        eprintln!("P9 breakdown, {what}:");
+        eprintln!("  {}", dispatcher.line("dispatcher"));
+        eprintln!("  {}", hand.line("hand loop"));
+    }
+    let bound = MAX_IN_FLIGHT as f64 / LATENCY.as_secs_f64();
+    let mut figures = vec![
+        Figure::at_least(
+            "P9a",
+            "dispatcher, API answering at once",
+            "act/s",
+            dispatched,
+            "hand loop, same client and concurrency",
+            looped,
+            Some(0.9),
+        ),
+        Figure::at_least(
+            "P9b",
+            "dispatcher, API at 20 ms, 64 in flight",
+            "act/s",
+            dispatched_slow.clone(),
+            "bound 64 / 20 ms",
+            Sample {
+                values: vec![bound],
+            },
+            Some(0.8),
+        ),
+        Figure::at_least(
+            "P9b",
+            "dispatcher, API at 20 ms, 64 in flight",
+            "act/s",
+            dispatched_slow,
+            "hand loop at 20 ms",
+            looped_slow,
+            None,
+        ),
+    ];
+    figures.extend(breakdown_figures("P9a", &at_once, &at_once_hand));
+    figures.extend(breakdown_figures("P9b", &slow, &slow_hand));
+    Ok(figures)
+}

@@ -172,7 +172,7 @@ impl BillingApi {
     /// Each request then fails with 503 with probability `p` (0 to 1), before the charge is
     /// applied (after its latency); the key is not stored.
     pub fn fail_rate(&self, p: f64) {
-        self.service.ledger().knobs.fail_rate = p.clamp(0.0, 1.0);
+        self.service.ledger().knobs.fail_rate = if p.is_nan() { 0.0 } else { p.clamp(0.0, 1.0) };
     }
 
     /// The next `n` requests that apply a charge apply it, store the response, and then hold
@@ -292,8 +292,9 @@ async fn accept(listener: TcpListener, router: Router, stop: CancellationToken) 
                             .await;
                     });
                 }
-                // Out of descriptors or the like: not a test's failure to report here.
-                Err(_) => tokio::task::yield_now().await,
+                // Out of descriptors or the like: a pause, not a busy loop (and not a test's
+                // failure to report here).
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             },
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }

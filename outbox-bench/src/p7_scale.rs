@@ -15,7 +15,7 @@
 //! runs; the large schemas are dropped at the end. Not in the default set: `--only p7`.
 //!
 //! Figures of one run (2 cores shared with another workload, PostgreSQL 15, 128 MB shared
-//! buffers): see the "P7" section of the README.
+//! buffers): see the "P7" section of the guide's benchmarks page.
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};

@@ -112,7 +112,7 @@ impl<'a> Chaos<'a> {
             self.leave_due_extras(false);
             // A broker still starting from the last broker fault is not taken down again, and
             // malformed records wait for it: the loop goes on with the other faults meanwhile
-            // (a broker start takes 6-18 s here, see RELIABILITY.md).
+            // (a broker start takes 6-18 s here, see docs/src/reliability.md).
             let broker_up = self.broker.poll_ready().await?;
             if broker_up
                 && poison_done < rounds

@@ -28,6 +28,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use outbox_core::TableNames;
 use sqlx::postgres::PgPoolOptions;
+use std::io::IsTerminal;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -95,7 +96,7 @@ enum Command {
     /// Run the relay until SIGINT or SIGTERM.
     ///
     /// Kafka settings are librdkafka properties, applied in this order (a later one wins):
-    /// the relay's defaults, the --kafka-config file, OUTBOX_KAFKA_<KEY> variables
+    /// the relay's defaults, the --kafka-config file, `OUTBOX_KAFKA_<KEY>` variables
     /// (OUTBOX_KAFKA_SASL_PASSWORD is sasl.password), --brokers, each -X. A value
     /// `file:PATH` is read from PATH. The relay always sets enable.idempotence=true, acks=all
     /// and partitioner=murmur2_random.
@@ -104,7 +105,7 @@ enum Command {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum PruneTarget {
-    /// Consumer dedup rows (choose the age from the topic's retention; see the README).
+    /// Consumer dedup rows (choose the age from the topic's retention; see the guide, operating, "The dedup store and its TTL").
     Dedup,
     /// Outbox rows already published.
     Published,
@@ -130,9 +131,27 @@ fn database_url(cli: &Cli) -> Result<String> {
         .context("no database: pass --database-url or --database-url-file, or set DATABASE_URL")
 }
 
+/// The connection settings of `url`. sqlx warns about any statement over 1 s; a status over
+/// hundreds of dedup slices, or a prune batch, takes that long in normal operation, and the
+/// warning (with the statement's text) is noise above the command's answer. Only a statement
+/// that takes far longer than normal is worth a warning.
+fn connect_options(url: &str) -> Result<sqlx::postgres::PgConnectOptions> {
+    use sqlx::ConnectOptions;
+    let options: sqlx::postgres::PgConnectOptions =
+        url.parse().context("the database URL is not valid")?;
+    Ok(options.log_slow_statements(log::LevelFilter::Warn, Duration::from_secs(60)))
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
+    // Logs go to stderr (stdout is the command's answer, often piped into a program), in
+    // colour only when stderr is a terminal.
     tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -147,7 +166,7 @@ async fn main() -> Result<()> {
             1
         })
         .acquire_timeout(Duration::from_secs(10))
-        .connect(&url)
+        .connect_with(connect_options(&url)?)
         .await
         .context("cannot connect to the database")?;
     let mut conn = match cli.command {

@@ -62,7 +62,7 @@ pub(crate) enum Action {
     /// clients that are not dedup consumers see them as redeliveries), then delete them here.
     ///
     /// Consumer requeues take Kafka settings as `outbox relay` does: --kafka-config,
-    /// OUTBOX_KAFKA_<KEY> variables, --brokers, -X, in that order.
+    /// `OUTBOX_KAFKA_<KEY>` variables, --brokers, -X, in that order.
     Requeue {
         side: Side,
         #[arg(required = true)]
@@ -369,7 +369,7 @@ async fn requeue_one(
     Ok(true)
 }
 
-/// "3 rows of <table> for consumer billing": what a consumer-side action is about to touch.
+/// "3 rows of `<table>` for consumer billing": what a consumer-side action is about to touch.
 fn consumer_rows(rows: &[outbox_consumer::quarantine::QuarantinedMessage], table: &str) -> String {
     let mut consumers: Vec<&str> = rows.iter().map(|r| r.consumer.as_str()).collect();
     consumers.sort_unstable();

@@ -984,3 +984,46 @@ async fn relay_names_a_wrong_password_and_an_untrusted_certificate() -> Result<(
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn a_slow_status_prints_its_answer_and_no_warning_or_colour() -> Result<()> {
+    let db = TestDb::new().await?;
+    // The status waits for the table a transaction locked, for longer than sqlx's default
+    // slow-statement threshold (1 s).
+    let mut lock = db.pool.begin().await?;
+    sqlx::query("LOCK TABLE outbox_events IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await?;
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("status")
+        .env("DATABASE_URL", schema_url(&db))
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    outbox_tests::eventually("the status waits for the lock", std::time::Duration::from_secs(30), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE relation = 'outbox_events'::regclass AND NOT granted",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok(waiting > 0)
+    })
+    .await?;
+    // Not synchronization: the statement must take longer than the threshold.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    lock.commit().await?;
+    let out = tokio::task::spawn_blocking(move || status.wait_with_output()).await??;
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout)?,
+        String::from_utf8(out.stderr)?,
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("pending"), "{stdout}");
+    assert!(!stderr.contains("slow statement"), "{stderr}");
+    assert!(
+        !stdout.contains('\u{1b}') && !stderr.contains('\u{1b}'),
+        "colour codes: {stderr:?}"
+    );
+    Ok(())
+}

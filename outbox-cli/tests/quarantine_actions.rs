@@ -270,7 +270,7 @@ async fn bulk_actions_need_yes_when_stdin_is_not_a_terminal() -> Result<()> {
     Ok(())
 }
 
-/// A role of its own for the test, with what the README grants an operator on the test's
+/// A role of its own for the test, with what the guide ("Roles") grants an operator on the test's
 /// schema (no SELECT on the audit); dropped when it goes out of scope.
 struct Operator {
     name: String,

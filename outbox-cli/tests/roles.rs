@@ -1,4 +1,4 @@
-//! The `outbox` binary as the least-privileged roles of the README's "Roles" section:
+//! The `outbox` binary as the least-privileged roles of the guide's "Roles" section:
 //! `outbox status` as the read-only role, `outbox prune dedup` as the tables' owner (the only
 //! role that may drop and make day slices). Each fails without its documented grants.
 

@@ -360,7 +360,7 @@ where
     }
 
     /// Handles one message end to end (everything but storing its offset). `Err` means the
-    /// database was unavailable (it could not be reached, see the README's "What counts as a
+    /// database was unavailable (it could not be reached, see the guide's "Failures" page, "What counts as a
     /// failure"): nothing was skipped, and the message should be retried. A transaction the
     /// database rejected is not an `Err`: it counts as a failed attempt, like a handler error.
     pub async fn process(

@@ -34,7 +34,7 @@ pub struct DedupPruned {
 ///   rows per statement, each its own short transaction.
 /// - The day slices of yesterday to [`SLICES_AHEAD`](crate::SLICES_AHEAD) days after today
 ///   are made where missing, so that consumers that may not make slices find them (see
-///   "Roles" in the README). Dropping and making slices needs the dedup table's owner.
+///   "Roles" in the guide's operating page). Dropping and making slices needs the dedup table's owner.
 ///
 /// Run it with the consumers' `dedup_ttl` (`ConsumerConfig::dedup_ttl`): they record an id
 /// in its own day's slice only while that day is inside their window (the TTL back from

@@ -12,7 +12,7 @@ use crate::{ConsumerError, DedupPruned, prune};
 /// Runs [`prune`](crate::prune) every `interval` until cancelled. Any number of instances may
 /// run (one per consumer process, say): one prunes at a time, the others find it pruning and
 /// skip that turn. Its pool must connect as the dedup table's owner (dropping and making day
-/// slices needs it; README, "Roles"), not as a least-privileged consumer's role.
+/// slices needs it; the guide, operating, "Roles"), not as a least-privileged consumer's role.
 ///
 /// ```no_run
 /// # async fn doc(pool: sqlx::PgPool) {

@@ -51,6 +51,6 @@ pub use quarantine_table::{
 pub use retry::backoff;
 
 /// The grants of each part's least-privileged role, as SQL for the tables' owner to run
-/// (`outbox-core/sql/roles.sql`; README, "Roles"). Roles are the operator's: it grants to
+/// (`outbox-core/sql/roles.sql`; the guide, operating, "Roles"). Roles are the operator's: it grants to
 /// roles that exist, under the names its comments say to replace, and creates none.
 pub const ROLES_SQL: &str = include_str!("../sql/roles.sql");

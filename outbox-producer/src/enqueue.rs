@@ -63,7 +63,7 @@ impl Outbox {
 
     /// Whether `enqueue` wakes relays with `NOTIFY` at commit (on by default), so events go
     /// out within milliseconds. Postgres serializes committing transactions that notify, so
-    /// under heavy concurrent writing this costs throughput (see the README's benchmarks);
+    /// under heavy concurrent writing this costs throughput (see the guide's benchmarks, P1);
     /// with it off, relays find rows by polling every `poll_interval`.
     pub fn notify(mut self, on: bool) -> Self {
         self.notify = on;

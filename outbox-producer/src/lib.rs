@@ -11,6 +11,11 @@
 //! - **Order per aggregate id** (the Kafka key), with one relay or many: see [`relay`].
 //! - **Poison rows never stall the outbox**: permanent failures are quarantined at once,
 //!   transient ones after `max_attempts` with backoff; other keys keep flowing.
+//! - **Actions performed without Kafka** ([`dispatch`]): a [`dispatch::Dispatcher`] calls the
+//!   user's executor for each action, with the event id as idempotency key, and records the
+//!   answer with the row. At least once: a crash, shutdown or timeout between the call and
+//!   the record makes the call again **with the same key**, so an API that honours
+//!   idempotency keys applies it once.
 //!
 //! # Features
 //! - `opentelemetry`: [`Outbox::enqueue`] stores the current span's W3C trace context
@@ -22,6 +27,7 @@
 //!   from an API still processing that key is retried) and stores the answer's body as the
 //!   outcome (see `dispatch::http` for the mapping of answers to outcomes).
 //! - `prometheus`: `serve_metrics` serves the relay's metrics on an HTTP endpoint.
+//! - `http`: `dispatch::HttpExecutor`, the dispatcher's executor for HTTP APIs (reqwest).
 //! - `fault-injection`: crash hooks for tests; never in production.
 //!
 //! ```no_run

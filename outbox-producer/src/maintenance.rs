@@ -29,13 +29,23 @@ pub async fn stats(
     conn: &mut PgConnection,
     tables: &TableNames,
 ) -> Result<OutboxStats, ProducerError> {
+    stats_where(conn, tables, "TRUE").await
+}
+
+/// [`stats`] of the rows matching `lane` (a predicate on `topic` the lane's SQL built from
+/// validated names), so that a relay's gauges never count a dispatcher's actions.
+pub(crate) async fn stats_where(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    lane: &str,
+) -> Result<OutboxStats, ProducerError> {
     let t = &tables.outbox;
     let query = format!(
-        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'pending' LIMIT $1) AS p) \
+        "SELECT (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'pending' AND {lane} LIMIT $1) AS p) \
                   AS pending, \
                 (SELECT (extract(epoch FROM now() - created_at) * 1000)::bigint \
-                   FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1) AS oldest_pending_age_ms, \
-                (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'quarantined' LIMIT $1) AS q) \
+                   FROM {t} WHERE status = 'pending' AND {lane} ORDER BY seq LIMIT 1) AS oldest_pending_age_ms, \
+                (SELECT count(*) FROM (SELECT 1 FROM {t} WHERE status = 'quarantined' AND {lane} LIMIT $1) AS q) \
                   AS quarantined"
     );
     // Past a few million rows the counts' cost estimates pass `jit_above_cost` and the

@@ -90,6 +90,8 @@ pub(crate) struct RelaySql {
     pub(crate) record_failures: SqlStr,
     /// Whether `record_failures` takes the rows' outcomes (`$6`): a dispatcher's does.
     pub(crate) stores_outcomes: bool,
+    /// The lane's rows, as a predicate on `topic` (for its gauges).
+    pub(crate) lane_rows: String,
 }
 
 impl RelaySql {
@@ -217,6 +219,7 @@ impl RelaySql {
                 ),
             }),
             stores_outcomes: matches!(lane, LaneRows::Dispatch(_)),
+            lane_rows: format!("topic {mine}"),
         }
     }
 }

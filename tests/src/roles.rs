@@ -1,4 +1,4 @@
-//! Least-privileged login roles for one test (README, "Roles"): an owner that migrates a
+//! Least-privileged login roles for one test (the guide, "Roles"): an owner that migrates a
 //! schema of its own, and a login per part granted exactly what `outbox_core::ROLES_SQL` says.
 //! Roles are cluster-wide, so each test's have random names (and random passwords: the
 //! cluster may authenticate with them); [`Roles::drop_all`] removes them and the schema.

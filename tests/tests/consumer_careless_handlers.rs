@@ -387,7 +387,7 @@ async fn a_handler_that_restarts_the_transaction_fails_alone() -> Result<()> {
 }
 
 /// A handler that ends the transaction (`ROLLBACK`) lets the handlers after it in its batch
-/// write in autocommit; that cannot be undone (see the README), but it is found before
+/// write in autocommit; that cannot be undone (see the guide's consumer page), but it is found before
 /// COMMIT: no message is counted processed without its dedup row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_ends_the_transaction_is_found_out() -> Result<()> {

@@ -1,4 +1,4 @@
-//! Each part of the framework as the least-privileged role the README's "Roles" section
+//! Each part of the framework as the least-privileged role the guide's "Roles" section
 //! documents (`outbox_core::ROLES_SQL`, run by the tables' owner, not a superuser), against the
 //! real Postgres and broker: the writer enqueues, the relay publishes, the consumer handles each
 //! event once (also of a day whose dedup slice was not made ahead and that it may not make),

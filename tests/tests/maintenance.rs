@@ -63,7 +63,7 @@ async fn migrate_after(db: &TestDb, statements: &[&'static str]) -> Result<()> {
     Ok(())
 }
 
-/// The README's upgrade path for a large table: the indexes of migration 0003 built
+/// The guide's upgrade path for a large table: the indexes of migration 0003 built
 /// beforehand with `CREATE INDEX CONCURRENTLY` (which cannot run inside the migration's
 /// transaction) make the migration a no-op instead of a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

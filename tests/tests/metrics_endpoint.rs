@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use outbox_consumer::{ConsumerConfig, Event, HandlerError, consumer_config, dedup_consume};
+use outbox_producer::dispatch::{Action, Dispatcher, DispatcherConfig, Outcome};
 use outbox_producer::{NewEvent, Relay, RelayConfig, producer_config};
 use outbox_tests::{TestDb, eventually, kafka_bootstrap, produce_raw, random_topic, unique};
 use serde_json::json;
@@ -29,6 +30,9 @@ async fn relay_and_consumer_series_are_scraped_over_http() -> Result<()> {
         first.get_or_insert(event.id());
         outbox_producer::enqueue(&mut tx, &event).await?;
     }
+    // An action for a dispatcher: pending beside the relay's events, never the relay's lag.
+    let action = NewEvent::new("invoice", "a", "Charge", &json!({}))?.for_dispatcher("billing")?;
+    outbox_producer::enqueue(&mut tx, &action).await?;
     tx.commit().await?;
     let first = first.context("three events")?.to_string();
 
@@ -92,12 +96,34 @@ async fn relay_and_consumer_series_are_scraped_over_http() -> Result<()> {
         },
     )
     .await?;
+    let table = "table=\"outbox_events\"";
+    let relay_pending = format!("outbox_pending{{{table}}}");
+    eventually(
+        "the relay's gauge counts its own rows only",
+        Duration::from_secs(60),
+        || async { Ok(scrape(addr)?.get(&relay_pending) == Some(&0.0)) },
+    )
+    .await?;
     shutdown.cancel();
     relaying.await??;
     consuming.await??;
 
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        DispatcherConfig::new("billing").max_in_flight(1),
+        |_: Action| async { Outcome::done(json!({ "charge": "ch_1" })) },
+    )?;
+    assert_eq!(dispatcher.run_once().await?.published, 1);
     let series = scrape(addr)?;
-    let table = "table=\"outbox_events\"";
+    let dispatched = series
+        .iter()
+        .find(|(name, _)| {
+            name.starts_with("outbox_dispatch_done_total{")
+                && name.contains("destination=\"billing\"")
+                && name.contains(table)
+        })
+        .map(|(_, value)| *value);
+    assert_eq!(dispatched, Some(1.0), "{series:?}");
     assert!(series[&format!("outbox_relay_published_total{{{table}}}")] >= 3.0);
     assert!(series.contains_key(&format!("outbox_pending{{{table}}}")));
     assert!(series.contains_key(&format!("outbox_oldest_pending_age_seconds{{{table}}}")));

@@ -7,9 +7,12 @@
 //!   relay → billing consumer, with a [`CrashPoint`] that kills the process mid-way.
 //! - [`scenario`]: runs the worker as child processes (a crashing one, then a restarted one)
 //!   and checks the end state.
+//! - [`dispatch`]: the same agent without Kafka: a dispatcher calls the billing service over
+//!   HTTP and the agent reads the charge id from the stored outcome.
 
 pub mod billing;
 pub mod crash;
+pub mod dispatch;
 pub mod model;
 pub mod scenario;
 pub mod schema;

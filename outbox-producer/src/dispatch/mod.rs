@@ -117,6 +117,9 @@ impl<E: Executor> Dispatcher<E> {
             unconfirmed: "outbox_dispatch_unconfirmed_total",
             waiting: "outbox_dispatch_waiting_total",
             latency: "outbox_dispatch_latency_seconds",
+            pending: "outbox_dispatch_pending",
+            oldest_pending: "outbox_dispatch_oldest_pending_age_seconds",
+            quarantined_now: "outbox_dispatch_quarantined",
             labels: vec![
                 ("table", config.lane.tables.outbox.as_str().to_owned()),
                 ("destination", config.destination.clone()),

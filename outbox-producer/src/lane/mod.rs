@@ -136,6 +136,10 @@ pub(crate) struct LaneMetrics {
     pub(crate) unconfirmed: &'static str,
     pub(crate) waiting: &'static str,
     pub(crate) latency: &'static str,
+    /// Gauges: the lane's pending rows, the age of its oldest, its quarantined rows.
+    pub(crate) pending: &'static str,
+    pub(crate) oldest_pending: &'static str,
+    pub(crate) quarantined_now: &'static str,
     pub(crate) labels: Vec<(&'static str, String)>,
 }
 

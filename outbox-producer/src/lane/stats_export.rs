@@ -1,4 +1,4 @@
-//! The outbox's depth, lag and quarantine gauges, refreshed on their own task so that reading
+//! A lane's depth, lag and quarantine gauges, refreshed on their own task so that reading
 //! them never delays a batch.
 
 use std::time::Duration;
@@ -28,15 +28,14 @@ impl<D: Destination> Lane<D> {
         let tables = &self.config.tables;
         let stats = async {
             let mut conn = self.pool.acquire().await?;
-            crate::stats(&mut conn, tables).await
+            crate::maintenance::stats_where(&mut conn, tables, &self.sql.lane_rows).await
         };
         match stats.await {
             Ok(s) => {
-                let table = tables.outbox.as_str().to_owned();
-                metrics::gauge!("outbox_pending", "table" => table.clone()).set(s.pending as f64);
-                metrics::gauge!("outbox_quarantined", "table" => table.clone())
-                    .set(s.quarantined as f64);
-                metrics::gauge!("outbox_oldest_pending_age_seconds", "table" => table)
+                let names = &self.metrics;
+                metrics::gauge!(names.pending, &names.labels).set(s.pending as f64);
+                metrics::gauge!(names.quarantined_now, &names.labels).set(s.quarantined as f64);
+                metrics::gauge!(names.oldest_pending, &names.labels)
                     .set(s.oldest_pending_age_ms.unwrap_or(0) as f64 / 1000.0);
             }
             Err(error) => tracing::debug!(%error, "cannot read outbox stats for metrics"),

@@ -166,6 +166,9 @@ impl<C: ClientContext + 'static> Relay<C> {
             unconfirmed: "outbox_relay_unconfirmed_total",
             waiting: "outbox_relay_waiting_total",
             latency: "outbox_relay_publish_latency_seconds",
+            pending: "outbox_pending",
+            oldest_pending: "outbox_oldest_pending_age_seconds",
+            quarantined_now: "outbox_quarantined",
             labels: vec![("table", table.clone())],
         };
         let destination = Kafka::new(producer, client_error, &config);

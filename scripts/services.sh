@@ -69,7 +69,17 @@ resolve_jars() {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jdk-headless maven >/dev/null
   fi
   log "resolving the $name jars from Maven Central ($pom)"
-  mvn -B -q --strict-checksums -Dstyle.color=never -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out.tmp"
+  # Maven's output only when it fails: even with -B -q and style.color=never, Maven 3.9 writes
+  # bare ANSI resets (ESC[0m) to a pipe, which would land in the demo's first lines.
+  local mvn_log
+  mvn_log="$(mktemp)"
+  if ! mvn -B -q --strict-checksums -Dstyle.color=never -f "$pom" dependency:build-classpath \
+      -Dmdep.outputFile="$out.tmp" >"$mvn_log" 2>&1; then
+    sed 's/\x1b\[[0-9;]*m//g' "$mvn_log" >&2
+    rm -f "$mvn_log"
+    return 1
+  fi
+  rm -f "$mvn_log"
   mv "$out.tmp" "$out"
 }
 

@@ -11,12 +11,12 @@ use anyhow::{Context, Result, bail, ensure};
 use outbox_producer::dispatch::{
     Action, ActionState, Dispatcher, DispatcherConfig, Executor, HttpExecutor, Outcome, outcome,
 };
-use outbox_producer::{EventId, NewEvent, Outbox, TableNames};
+use outbox_producer::{EventId, TableNames};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::crash::CRASH_EXIT_CODE;
-use super::model::{Model, Task};
+use super::model::decide_new_tasks;
 use super::schema;
 use crate::billing_api::BillingApi;
 
@@ -84,36 +84,6 @@ impl DispatchCrash {
 fn die(point: DispatchCrash) -> ! {
     eprintln!("   ** crash injected: {} **", point.describe());
     std::process::exit(CRASH_EXIT_CODE)
-}
-
-/// Decides each new task (one model call each) and commits the decision with its action.
-async fn decide(pool: &PgPool, crash: Option<DispatchCrash>) -> Result<()> {
-    let model = Model::new(pool.clone());
-    let tasks: Vec<Task> = sqlx::query_as(
-        "SELECT id, customer, cents FROM agent_tasks WHERE state = 'new' ORDER BY id",
-    )
-    .fetch_all(pool)
-    .await?;
-    for task in tasks {
-        let decision = model.decide(&task).await?;
-        let action = NewEvent::new("invoice", &decision.invoice, "SendInvoice", &decision)?
-            .for_dispatcher(DESTINATION)?;
-        let mut tx = pool.begin().await?;
-        sqlx::query("UPDATE agent_tasks SET state = 'decided', event_id = $2 WHERE id = $1")
-            .bind(&task.id)
-            .bind(action.id().as_uuid())
-            .execute(&mut *tx)
-            .await?;
-        Outbox::default().enqueue(&mut tx, &action).await?;
-        if crash == Some(DispatchCrash::BeforeCommit) {
-            die(DispatchCrash::BeforeCommit);
-        }
-        tx.commit().await?;
-        if crash == Some(DispatchCrash::AfterCommit) {
-            die(DispatchCrash::AfterCommit);
-        }
-    }
-    Ok(())
 }
 
 /// The agent's next turn: each decided task takes its charge id from its action's stored
@@ -193,7 +163,18 @@ async fn charged_keys(billing_url: &str) -> Result<Vec<String>> {
 
 /// One worker process: decide, dispatch, take the outcomes, until every task is charged.
 pub async fn worker(pool: PgPool, billing_url: &str, crash: Option<DispatchCrash>) -> Result<()> {
-    decide(&pool, crash).await?;
+    let die_at = |point| {
+        if crash == Some(point) {
+            die(point);
+        }
+    };
+    decide_new_tasks(
+        &pool,
+        |action| action.for_dispatcher(DESTINATION),
+        || die_at(DispatchCrash::BeforeCommit),
+        || die_at(DispatchCrash::AfterCommit),
+    )
+    .await?;
     let client = reqwest::Client::new();
     let executor = Calling {
         http: HttpExecutor::post_json(

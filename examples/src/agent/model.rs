@@ -1,5 +1,6 @@
 //! A deterministic stand-in for the language model.
 
+use outbox_producer::{NewEvent, Outbox};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -67,4 +68,42 @@ impl Model {
             cents: task.cents,
         })
     }
+}
+
+/// The agent's turn: decides each new task (one model call each, recorded before the
+/// transaction) and commits the task's state with the decided action, which `route` points at
+/// its destination (a Kafka topic, or a dispatcher). `before_commit` and `after_commit` run
+/// around the commit: the crash points there.
+pub async fn decide_new_tasks(
+    pool: &PgPool,
+    route: impl Fn(NewEvent) -> Result<NewEvent, outbox_core::CoreError>,
+    before_commit: impl Fn(),
+    after_commit: impl Fn(),
+) -> anyhow::Result<()> {
+    let model = Model::new(pool.clone());
+    let tasks: Vec<Task> = sqlx::query_as(
+        "SELECT id, customer, cents FROM agent_tasks WHERE state = 'new' ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await?;
+    for task in tasks {
+        let decision = model.decide(&task).await?;
+        let action = route(NewEvent::new(
+            "invoice",
+            &decision.invoice,
+            "SendInvoice",
+            &decision,
+        )?)?;
+        let mut tx = pool.begin().await?;
+        sqlx::query("UPDATE agent_tasks SET state = 'decided', event_id = $2 WHERE id = $1")
+            .bind(&task.id)
+            .bind(action.id().as_uuid())
+            .execute(&mut *tx)
+            .await?;
+        Outbox::default().enqueue(&mut tx, &action).await?;
+        before_commit();
+        tx.commit().await?;
+        after_commit();
+    }
+    Ok(())
 }

@@ -9,14 +9,14 @@ use outbox_consumer::{
     ConsumerConfig, ConsumerError, DedupConsumer, Event, Handler, HandlerError, consumer_config,
     dedup_consume, stream_consumer,
 };
-use outbox_producer::{NewEvent, Outbox, ProducerError, Relay, RelayConfig, producer_config};
+use outbox_producer::{NewEvent, ProducerError, Relay, RelayConfig, producer_config};
 use rdkafka::consumer::Consumer;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::billing::Billing;
 use super::crash::{CrashPoint, CrashSwitch, die};
-use super::model::{InvoiceCharged, Model, SendInvoice, Task};
+use super::model::{InvoiceCharged, SendInvoice, decide_new_tasks};
 
 /// Where the worker finds its services, and where it may crash.
 #[derive(Debug, Clone)]
@@ -36,7 +36,13 @@ pub struct WorkerConfig {
 /// Runs the agent until every task is charged and the outbox is drained, dying at `crash`.
 pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>) -> Result<()> {
     let crash = Arc::new(CrashSwitch::new(crash));
-    decide_pending_tasks(&pool, &config.topic, &crash).await?;
+    decide_new_tasks(
+        &pool,
+        |event| event.with_topic(&config.topic),
+        || crash.reached(CrashPoint::BeforeCommit),
+        || crash.reached(CrashPoint::AfterCommit),
+    )
+    .await?;
 
     let relay = Relay::new(
         pool.clone(),
@@ -99,34 +105,6 @@ pub async fn run(pool: PgPool, config: &WorkerConfig, crash: Option<CrashPoint>)
         ended => ended?,
     }
     done
-}
-
-/// The agent loop: for each new task, ask the model, then commit the task's new state and
-/// the decided tool call together.
-async fn decide_pending_tasks(pool: &PgPool, topic: &str, crash: &CrashSwitch) -> Result<()> {
-    let model = Model::new(pool.clone());
-    let outbox = Outbox::default();
-    let tasks: Vec<Task> = sqlx::query_as(
-        "SELECT id, customer, cents FROM agent_tasks WHERE state = 'new' ORDER BY id",
-    )
-    .fetch_all(pool)
-    .await?;
-    for task in tasks {
-        let decision = model.decide(&task).await?;
-        let event = NewEvent::new("invoice", &decision.invoice, "SendInvoice", &decision)?
-            .with_topic(topic)?;
-        let mut tx = pool.begin().await?;
-        sqlx::query("UPDATE agent_tasks SET state = 'decided', event_id = $2 WHERE id = $1")
-            .bind(&task.id)
-            .bind(event.id().as_uuid())
-            .execute(&mut *tx)
-            .await?;
-        outbox.enqueue(&mut tx, &event).await?;
-        crash.reached(CrashPoint::BeforeCommit);
-        tx.commit().await?;
-        crash.reached(CrashPoint::AfterCommit);
-    }
-    Ok(())
 }
 
 /// The downstream consumer that performs the tool call, with the event id as the payment

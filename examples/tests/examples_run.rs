@@ -5,26 +5,58 @@
 use anyhow::{Context, Result, ensure};
 use outbox_tests::{database_url, kafka_bootstrap};
 
-/// `target/<profile>/examples/<name>`: cargo builds the examples before the tests that need
-/// them (`cargo test` builds every example), next to this test's own `deps` directory.
-fn example(name: &str) -> Result<std::path::PathBuf> {
-    let exe = std::env::current_exe()?;
-    let profile_dir = exe
-        .parent()
-        .and_then(std::path::Path::parent)
-        .context("the test binary's directory")?;
+/// `target/<profile>/examples/<name>`, built as a program. `cargo test` alone builds the
+/// examples so, but `cargo test --all-targets` (what `scripts/test` runs) builds them only
+/// as test harnesses (`<name>-<hash>`, which never call `main`): so the examples are built
+/// here once, by the cargo that runs this test, with the workspace's feature set (the one
+/// the test build used, so no dependency is compiled again) and this test's profile.
+async fn example(name: &str) -> Result<std::path::PathBuf> {
+    let profile_dir = BUILT
+        .get_or_try_init(|| async {
+            let exe = std::env::current_exe()?;
+            let profile_dir = exe
+                .parent()
+                .and_then(std::path::Path::parent)
+                .context("the test binary's directory")?
+                .to_path_buf();
+            let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+                Some("debug") => "dev".to_owned(),
+                Some(other) => other.to_owned(),
+                None => anyhow::bail!("no profile directory above {}", exe.display()),
+            };
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .context("the workspace directory")?;
+            let out = tokio::process::Command::new(&cargo)
+                .args(["build", "--workspace", "--examples", "--profile", &profile])
+                .current_dir(workspace)
+                .output()
+                .await
+                .context("running cargo build --examples")?;
+            ensure!(
+                out.status.success(),
+                "cargo build --examples failed: {}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Ok(profile_dir)
+        })
+        .await?;
     Ok(profile_dir.join("examples").join(name))
 }
 
+static BUILT: tokio::sync::OnceCell<std::path::PathBuf> = tokio::sync::OnceCell::const_new();
+
 async fn run(name: &str) -> Result<()> {
-    let path = example(name)?;
+    let path = example(name).await?;
     let out = tokio::process::Command::new(&path)
         .env("DATABASE_URL", database_url())
         .env("KAFKA_BROKERS", kafka_bootstrap())
         .kill_on_drop(true)
         .output()
         .await
-        .with_context(|| format!("running {} (built by `cargo test`)", path.display()))?;
+        .with_context(|| format!("running {}", path.display()))?;
     ensure!(
         out.status.success(),
         "{name} failed: {}\n{}",

@@ -438,6 +438,59 @@ async fn an_answer_postgres_cannot_store_is_stored_scrubbed_not_called_forever()
     Ok(())
 }
 
+/// An answer over `max_answer_bytes` or nested deeper than a managed PostgreSQL may parse
+/// would fail the batch's record (JSONB's 255 MiB limit, `stack depth limit exceeded`), and
+/// its calls would be made again on every batch: it is stored as a marker with its size and
+/// its start instead, and the action is done, called once.
+#[tokio::test]
+async fn an_answer_too_large_or_too_deep_is_stored_as_a_marker_and_called_once() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("a", 0)?, action("b", 0)?, action("c", 0)?]).await?;
+    let (large, deep, small) = (ids[0], ids[1], ids[2]);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let executor = {
+        let calls = calls.clone();
+        move |action: Action| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let answer = match action.key.as_str() {
+                "a" => json!({ "invoice": "in_1", "pdf": "x".repeat(4096) }),
+                "b" => (0..200).fold(json!("in_2"), |inner, _| json!([inner])),
+                _ => json!({ "invoice": "in_3" }),
+            };
+            async move { Outcome::done(answer) }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config().max_answer_bytes(1024), executor)?;
+    assert_eq!(dispatcher.run_once().await?.published, 3);
+    assert_eq!(dispatcher.run_once().await?.claimed, 0);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    let Some(ActionState::Done(answer)) = state(&db, large).await? else {
+        panic!("not done");
+    };
+    let marker = &answer["outbox_answer_omitted"];
+    assert!(
+        marker["bytes"].as_u64().is_some_and(|b| b > 4096),
+        "{marker}"
+    );
+    let start = marker["start"].as_str().expect("start");
+    assert!(
+        start.starts_with(r#"{"invoice":"in_1""#) && start.len() <= 1024,
+        "{start}"
+    );
+    let Some(ActionState::Done(answer)) = state(&db, deep).await? else {
+        panic!("not done");
+    };
+    let reason = answer["outbox_answer_omitted"]["reason"]
+        .as_str()
+        .expect("reason");
+    assert!(reason.contains("deeper than"), "{reason}");
+    let Some(ActionState::Done(answer)) = state(&db, small).await? else {
+        panic!("not done");
+    };
+    assert_eq!(answer, json!({ "invoice": "in_3" }));
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_relay_and_a_dispatcher_serve_one_table_without_taking_each_others_rows() -> Result<()> {
     let db = TestDb::new().await?;

@@ -20,6 +20,14 @@ pub struct DispatcherConfig {
     /// Longest call: a call without an answer by then counts as [`super::Outcome::Retry`]
     /// (its outcome is unknown; it is made again with the same key).
     pub call_timeout: Duration,
+    /// Longest answer (its JSON text) stored as the action's outcome. A longer one, or one
+    /// nested deeper than 128 levels, is stored as
+    /// `{"outbox_answer_omitted": {"reason": ..., "bytes": n, "start": "<its first KiB>"}}`
+    /// and the action is still done (or rejected): PostgreSQL refuses JSONB values over
+    /// 255 MiB and nesting deeper than its stack allows, and a record that fails would make
+    /// the calls again. The default, 8 MiB, holds the HTTP executor's largest answer (a
+    /// 1 MiB body, escaped).
+    pub max_answer_bytes: usize,
     /// Claim, retry, quarantine, wake-up and shutdown settings, as the relay's.
     /// `after_publish` must stay [`AfterPublish::Mark`]: a done action keeps its outcome
     /// until it is pruned.
@@ -34,6 +42,7 @@ impl DispatcherConfig {
             destination: destination.into(),
             max_in_flight: 64,
             call_timeout: Duration::from_secs(30),
+            max_answer_bytes: 8 << 20,
             lane: RelayConfig::default().batch_size(16),
         }
     }
@@ -46,6 +55,11 @@ impl DispatcherConfig {
     /// Sets [`Self::call_timeout`].
     pub fn call_timeout(mut self, d: Duration) -> Self {
         self.call_timeout = d;
+        self
+    }
+    /// Sets [`Self::max_answer_bytes`].
+    pub fn max_answer_bytes(mut self, n: usize) -> Self {
+        self.max_answer_bytes = n;
         self
     }
     /// Sets the rows claimed per batch ([`RelayConfig::batch_size`]).

@@ -126,8 +126,9 @@ impl<E: Executor> Dispatcher<E> {
             ],
         };
         let (lane_config, workers) = (config.lane.clone(), config.workers());
+        let max_answer_bytes = config.max_answer_bytes;
         let calls = Calls::new(executor, config);
-        let lane = Lane::new(
+        let mut lane = Lane::new(
             pool,
             lane_config,
             &LaneRows::Dispatch(topic),
@@ -135,6 +136,7 @@ impl<E: Executor> Dispatcher<E> {
             metrics,
             workers,
         )?;
+        lane.max_answer_bytes = max_answer_bytes;
         Ok(Self {
             lane: Arc::new(lane),
         })

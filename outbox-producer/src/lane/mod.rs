@@ -8,6 +8,7 @@
 //! A lane's per-key order holds against the rows of its own lane: a relay and a dispatcher
 //! serving one table never hold each other's keys back.
 
+mod answer;
 mod batch;
 mod grace;
 mod record;
@@ -152,6 +153,8 @@ pub(crate) struct Lane<D> {
     pub(crate) metrics: LaneMetrics,
     /// Batches run side by side by [`Lane::run`], each with its own transaction.
     pub(crate) workers: usize,
+    /// Longest answer stored as it is (a longer one is stored as a marker).
+    pub(crate) max_answer_bytes: usize,
 }
 
 impl<D> std::fmt::Debug for Lane<D> {
@@ -195,6 +198,7 @@ impl<D: Destination> Lane<D> {
             destination,
             metrics,
             workers,
+            max_answer_bytes: usize::MAX,
         })
     }
 }

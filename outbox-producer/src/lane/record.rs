@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sqlx::PgConnection;
 
+use super::answer::storable;
 use super::{Destination, Failure, Lane, OutboxRow, Verdict};
 use crate::ProducerError;
 use crate::relay::{AfterPublish, BatchReport, RelayConfig};
@@ -33,30 +34,6 @@ pub(crate) fn retry_delay(
 ) -> Duration {
     let backoff = outbox_core::backoff(config.backoff_base, config.backoff_max, attempts);
     asked.map_or(backoff, |asked| backoff.max(asked.min(config.backoff_max)))
-}
-
-/// A JSON answer Postgres can store: JSONB refuses U+0000 in any string (22P05), and a batch
-/// whose record fails is rolled back, so its calls would be made again on every batch. Each
-/// U+0000 becomes U+FFFD.
-fn storable(mut answer: serde_json::Value) -> String {
-    fn scrub(value: &mut serde_json::Value) {
-        match value {
-            serde_json::Value::String(s) if s.contains('\0') => *s = s.replace('\0', "\u{fffd}"),
-            serde_json::Value::Array(items) => items.iter_mut().for_each(scrub),
-            serde_json::Value::Object(map) => {
-                if map.keys().any(|k| k.contains('\0')) {
-                    *map = std::mem::take(map)
-                        .into_iter()
-                        .map(|(k, v)| (k.replace('\0', "\u{fffd}"), v))
-                        .collect();
-                }
-                map.values_mut().for_each(scrub);
-            }
-            _ => {}
-        }
-    }
-    scrub(&mut answer);
-    answer.to_string()
 }
 
 /// Error texts are stored as TEXT, which refuses NUL bytes (22021).
@@ -95,7 +72,7 @@ pub(crate) async fn record<D: Destination>(
         let failed = match verdict {
             Verdict::Done(answer) => {
                 done.push(row.seq);
-                answers.push(answer.map(storable));
+                answers.push(answer.map(|a| storable(a, lane.max_answer_bytes)));
                 let age = (now - row.created_at).to_std().unwrap_or_default();
                 latency.record(age.as_secs_f64());
                 continue;
@@ -157,7 +134,7 @@ pub(crate) async fn record<D: Destination>(
         seqs.push(row.seq);
         errors.push(storable_text(reason));
         charges.push(1);
-        outcomes.push(failed.answer.map(storable));
+        outcomes.push(failed.answer.map(|a| storable(a, lane.max_answer_bytes)));
     }
     report.published = done.len();
     metrics::counter!(names.done, &names.labels).increment(done.len() as u64);
@@ -205,14 +182,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn answers_and_errors_never_hold_what_postgres_refuses() {
-        let answer = serde_json::json!({ "a\u{0}b": ["x\u{0}", { "k": "\u{0}" }], "n": 1 });
-        let stored = storable(answer);
-        assert!(!stored.contains("\\u0000"), "{stored}");
-        assert_eq!(
-            serde_json::from_str::<serde_json::Value>(&stored).expect("json")["a\u{fffd}b"][0],
-            "x\u{fffd}"
-        );
+    fn error_texts_never_hold_what_postgres_refuses() {
         assert_eq!(storable_text("e\0".into()), "e\u{fffd}");
     }
 

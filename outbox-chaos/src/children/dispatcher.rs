@@ -8,11 +8,10 @@ use std::time::Duration;
 
 use anyhow::Result;
 use outbox_core::EventId;
-use outbox_producer::ProducerError;
 use outbox_producer::dispatch::{Action, Dispatcher, DispatcherConfig, Executor, HttpExecutor};
 
 use super::action_writer::DESTINATION;
-use super::{Common, EXIT_DISPATCHER_AFTER_CALL, crash};
+use super::{Common, EXIT_DISPATCHER_AFTER_CALL};
 
 const POLL: Duration = Duration::from_millis(250);
 
@@ -84,30 +83,15 @@ async fn drive<E: Executor>(args: &Args, dispatcher: Dispatcher<E>) -> Result<()
         dispatcher.run(shutdown).await?;
         return Ok(());
     };
-    let mut batches = 0_u32;
-    while !shutdown.is_cancelled() {
-        if batches == arm_after {
-            dispatcher.crash_after_next_call();
-        }
-        let idle = match dispatcher.run_once().await {
-            Ok(report) => {
-                if report.claimed > 0 {
-                    batches += 1;
-                }
-                report.claimed < args.batch_size as usize
-            }
-            Err(ProducerError::InjectedFault(what)) => crash(EXIT_DISPATCHER_AFTER_CALL, what),
-            Err(error) => {
-                tracing::warn!(%error, "dispatcher batch failed");
-                true
-            }
-        };
-        if idle {
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = tokio::time::sleep(POLL) => {}
-            }
-        }
-    }
+    super::run_armed(
+        &shutdown,
+        arm_after,
+        args.batch_size,
+        POLL,
+        EXIT_DISPATCHER_AFTER_CALL,
+        || dispatcher.crash_after_next_call(),
+        || dispatcher.run_once(),
+    )
+    .await;
     Ok(())
 }

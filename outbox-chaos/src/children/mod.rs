@@ -125,3 +125,46 @@ pub(crate) fn crash(code: i32, what: &str) -> ! {
     tracing::info!(code, what, "injected crash");
     std::process::exit(code)
 }
+
+/// Crash mode of a relay or a dispatcher: runs `run_once` until SIGTERM, arms the library's
+/// fault with `arm` once `arm_after` non-empty batches are done, and leaves with `code` the
+/// moment it fires. A batch that is not full means nothing more is due: it waits `poll`.
+pub(crate) async fn run_armed<F>(
+    shutdown: &CancellationToken,
+    arm_after: u32,
+    batch_size: u32,
+    poll: Duration,
+    code: i32,
+    arm: impl Fn(),
+    mut run_once: impl FnMut() -> F,
+) where
+    F: std::future::Future<
+            Output = Result<outbox_producer::BatchReport, outbox_producer::ProducerError>,
+        >,
+{
+    let mut batches = 0_u32;
+    while !shutdown.is_cancelled() {
+        if batches == arm_after {
+            arm();
+        }
+        let idle = match run_once().await {
+            Ok(report) => {
+                if report.claimed > 0 {
+                    batches += 1;
+                }
+                report.claimed < batch_size as usize
+            }
+            Err(outbox_producer::ProducerError::InjectedFault(what)) => crash(code, what),
+            Err(error) => {
+                tracing::warn!(%error, "batch failed");
+                true
+            }
+        };
+        if idle {
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(poll) => {}
+            }
+        }
+    }
+}

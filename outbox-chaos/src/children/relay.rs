@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use outbox_producer::{ProducerError, QuarantinePolicy, Relay, RelayConfig, producer_config};
+use outbox_producer::{QuarantinePolicy, Relay, RelayConfig, producer_config};
 
-use super::{Common, EXIT_RELAY_AFTER_ACK, crash};
+use super::{Common, EXIT_RELAY_AFTER_ACK};
 
 const POLL: Duration = Duration::from_millis(250);
 
@@ -83,30 +83,15 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         relay.run(shutdown).await?;
         return Ok(());
     };
-    let mut batches = 0_u32;
-    while !shutdown.is_cancelled() {
-        if batches == arm_after {
-            relay.crash_after_next_ack();
-        }
-        let idle = match relay.run_once().await {
-            Ok(report) => {
-                if report.claimed > 0 {
-                    batches += 1;
-                }
-                report.claimed < args.batch_size as usize
-            }
-            Err(ProducerError::InjectedFault(what)) => crash(EXIT_RELAY_AFTER_ACK, what),
-            Err(error) => {
-                tracing::warn!(%error, "relay batch failed");
-                true
-            }
-        };
-        if idle {
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = tokio::time::sleep(POLL) => {}
-            }
-        }
-    }
+    super::run_armed(
+        &shutdown,
+        arm_after,
+        args.batch_size,
+        POLL,
+        EXIT_RELAY_AFTER_ACK,
+        || relay.crash_after_next_ack(),
+        || relay.run_once(),
+    )
+    .await;
     Ok(())
 }

@@ -367,26 +367,14 @@ fn check(report: &[DispatchReport], crash: Option<DispatchCrash>) -> Result<()> 
     );
     for (i, task) in report.iter().enumerate() {
         let lost_decisions = i64::from(i == 0 && crash == Some(DispatchCrash::BeforeCommit));
-        ensure!(task.state == "charged", "{} ended {}", task.id, task.state);
-        ensure!(
-            task.decisions == 1,
-            "{} has {} decisions",
-            task.id,
-            task.decisions
-        );
-        ensure!(
-            task.charges == 1,
-            "{} was charged {}x",
-            task.id,
-            task.charges
-        );
-        ensure!(
-            task.model_calls == task.decisions + lost_decisions,
-            "{}: the model was asked {}x for {} committed decision(s)",
-            task.id,
+        super::scenario::charged_once(
+            &task.id,
+            &task.state,
+            task.decisions,
+            i64::try_from(task.charges)?,
             task.model_calls,
-            task.decisions
-        );
+            lost_decisions,
+        )?;
         ensure!(
             task.consistent,
             "{}: task, action and charge disagree",

@@ -131,6 +131,26 @@ async fn task_reports(pool: &PgPool) -> Result<Vec<TaskReport>> {
     .await?)
 }
 
+/// What both demos promise of every task: charged, by one committed decision and one charge,
+/// and the model asked again only about a decision the crash destroyed before its commit.
+pub(super) fn charged_once(
+    id: &str,
+    state: &str,
+    decisions: i64,
+    charges: i64,
+    model_calls: i64,
+    lost_decisions: i64,
+) -> Result<()> {
+    ensure!(state == "charged", "{id} ended {state}");
+    ensure!(decisions == 1, "{id} has {decisions} decisions");
+    ensure!(charges == 1, "{id} was charged {charges}x");
+    ensure!(
+        model_calls == decisions + lost_decisions,
+        "{id}: the model was asked {model_calls}x for {decisions} committed decision(s)"
+    );
+    Ok(())
+}
+
 /// The promises: one decision and one charge per task, state consistent, and the model asked
 /// again only about a decision the crash destroyed before it committed.
 fn check(report: &[TaskReport], crash: Option<CrashPoint>) -> Result<()> {
@@ -141,32 +161,20 @@ fn check(report: &[TaskReport], crash: Option<CrashPoint>) -> Result<()> {
     for (i, task) in report.iter().enumerate() {
         // The first task's uncommitted decision died with the process, so it was decided anew.
         let lost_decisions = i64::from(i == 0 && crash == Some(CrashPoint::BeforeCommit));
-        ensure!(task.state == "charged", "{} ended {}", task.id, task.state);
-        ensure!(
-            task.decisions == 1,
-            "{} has {} decisions",
-            task.id,
-            task.decisions
-        );
-        ensure!(
-            task.charges == 1,
-            "{} was charged {}x",
-            task.id,
-            task.charges
-        );
+        charged_once(
+            &task.id,
+            &task.state,
+            task.decisions,
+            task.charges,
+            task.model_calls,
+            lost_decisions,
+        )?;
         ensure!(
             task.follow_ups == 1 && task.receipts == 1,
             "{}: {} InvoiceCharged follow-ups enqueued, {} receipts recorded (one each expected)",
             task.id,
             task.follow_ups,
             task.receipts
-        );
-        ensure!(
-            task.model_calls == task.decisions + lost_decisions,
-            "{}: the model was asked {}x for {} committed decision(s)",
-            task.id,
-            task.model_calls,
-            task.decisions
         );
         ensure!(
             task.consistent,

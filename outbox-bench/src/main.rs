@@ -3,6 +3,7 @@
 //!
 //! Needs PostgreSQL and Apache Kafka (`scripts/bench` starts them). Prints a table and writes JSON.
 
+mod cpu;
 mod memory;
 mod p1_write;
 mod p2_relay;

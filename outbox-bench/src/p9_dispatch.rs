@@ -27,6 +27,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::Settings;
+use crate::cpu::{self, CpuTimes};
 use crate::p2_relay::wait_drained;
 use crate::sample::{Figure, Sample};
 use crate::sql_times;
@@ -292,13 +293,18 @@ struct Breakdown {
     call: f64,
     /// The hand loop's mean calls phase (claim's end to last answer); NaN for the dispatcher.
     calls_phase: f64,
+    /// CPU per action, in microseconds: PostgreSQL's processes, and this one's (the library
+    /// or the loop, the client and the API).
+    postgres_cpu: f64,
+    process_cpu: f64,
 }
 
 impl Breakdown {
     fn of(
         statements: &std::collections::BTreeMap<String, sql_times::Statement>,
         workers: usize,
-        elapsed: Duration,
+        (elapsed, cpu): (Duration, CpuTimes),
+        actions: usize,
         call: f64,
         calls_phase: f64,
     ) -> Self {
@@ -330,6 +336,8 @@ impl Breakdown {
             commit: per_batch(sum(&["COMMIT"])),
             call,
             calls_phase,
+            postgres_cpu: 1e6 * cpu.postgres.as_secs_f64() / actions as f64,
+            process_cpu: 1e6 * cpu.this.as_secs_f64() / actions as f64,
             ..Self::default()
         };
         b.rest = b.cycle - b.settings - b.claim - b.mark - b.commit;
@@ -340,7 +348,8 @@ impl Breakdown {
         format!(
             "{who:<11} {:>6} batches of {:>4.1} rows, per batch (ms): cycle {:>6.2} = settings \
              {:.2} + claim {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean \
-             call {:.2} ms, calls phase {:.2} ms",
+             call {:.2} ms, calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this \
+             process {:.0} us",
             self.batches,
             self.rows_per_batch,
             self.cycle,
@@ -350,7 +359,9 @@ impl Breakdown {
             self.commit,
             self.rest,
             self.call,
-            self.calls_phase
+            self.calls_phase,
+            self.postgres_cpu,
+            self.process_cpu
         )
     }
 }
@@ -382,20 +393,33 @@ async fn breakdown(
             }
         }
     };
+    let server = cpu::postmaster(&db.pool).await;
     sql_times::start();
+    let cpu = CpuTimes::now(server);
     let elapsed = dispatcher_run(&db, &api, executor, actions).await;
+    let cpu = CpuTimes::now(server).since(cpu);
     let statements = sql_times::stop();
-    let dispatcher = Breakdown::of(&statements, batches, elapsed?, calls.mean_ms(), f64::NAN);
+    let dispatcher = Breakdown::of(
+        &statements,
+        batches,
+        (elapsed?, cpu),
+        actions,
+        calls.mean_ms(),
+        f64::NAN,
+    );
 
     let (db, api) = fixture(actions, latency).await?;
     let (calls, phases) = (CallTimes::default(), CallTimes::default());
     sql_times::start();
+    let cpu = CpuTimes::now(server);
     let elapsed = hand_loop_run(&db, &api, client, actions, Some((&calls, &phases))).await;
+    let cpu = CpuTimes::now(server).since(cpu);
     let statements = sql_times::stop();
     let hand = Breakdown::of(
         &statements,
         loops,
-        elapsed?,
+        (elapsed?, cpu),
+        actions,
         calls.mean_ms(),
         phases.mean_ms(),
     );
@@ -405,23 +429,25 @@ async fn breakdown(
 /// The breakdown's figures: each part of the dispatcher's batch against the same part of
 /// the hand loop's, in ms per batch (no targets).
 fn breakdown_figures(id: &'static str, dispatcher: &Breakdown, hand: &Breakdown) -> Vec<Figure> {
-    type Part = (&'static str, fn(&Breakdown) -> f64);
-    let parts: [Part; 7] = [
-        ("cycle", |b| b.cycle),
-        ("SET LOCAL settings", |b| b.settings),
-        ("claim", |b| b.claim),
-        ("mark", |b| b.mark),
-        ("commit", |b| b.commit),
-        ("calls and the rest", |b| b.rest),
-        ("mean call (ms per call)", |b| b.call),
+    type Part = (&'static str, &'static str, fn(&Breakdown) -> f64);
+    let parts: [Part; 9] = [
+        ("cycle", "ms/batch", |b| b.cycle),
+        ("SET LOCAL settings", "ms/batch", |b| b.settings),
+        ("claim", "ms/batch", |b| b.claim),
+        ("mark", "ms/batch", |b| b.mark),
+        ("commit", "ms/batch", |b| b.commit),
+        ("calls and the rest", "ms/batch", |b| b.rest),
+        ("mean call", "ms/call", |b| b.call),
+        ("PostgreSQL's CPU", "us/act", |b| b.postgres_cpu),
+        ("this process's CPU", "us/act", |b| b.process_cpu),
     ];
     parts
         .iter()
-        .map(|(part, of)| {
+        .map(|(part, unit, of)| {
             Figure::at_most(
                 id,
                 format!("breakdown: {part}"),
-                "ms/batch",
+                unit,
                 Sample {
                     values: vec![of(dispatcher)],
                 },

@@ -9,8 +9,7 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CpuTimes {
     /// The PostgreSQL server's processes: its postmaster and every child (backends, WAL
-    /// writer, checkpointer). A backend that exits between two snapshots takes its time
-    /// with it, so take both while the pool is open.
+    /// writer, checkpointer, autovacuum workers), those that ended included.
     pub(crate) postgres: Duration,
     /// This process.
     pub(crate) this: Duration,
@@ -38,9 +37,12 @@ impl CpuTimes {
             let Some(postmaster) = postmaster else {
                 break;
             };
-            let ours = pid == postmaster.to_string()
-                || stat_field(pid, 1).is_some_and(|ppid| ppid == u64::from(postmaster));
-            if ours {
+            if pid == postmaster.to_string() {
+                // With the time of its children that ended (a closed connection's backend,
+                // an autovacuum worker): reaped, their time moves here.
+                times.postgres +=
+                    process_cpu(pid).unwrap_or_default() + ticks(pid, 13, 14).unwrap_or_default();
+            } else if stat_field(pid, 1).is_some_and(|ppid| ppid == u64::from(postmaster)) {
                 times.postgres += process_cpu(pid).unwrap_or_default();
             }
         }
@@ -67,10 +69,15 @@ pub(crate) async fn postmaster(pool: &sqlx::PgPool) -> Option<u32> {
     u32::try_from(ppid).ok()
 }
 
-/// utime + stime of `/proc/<pid>/stat`, in clock ticks of 1/100 s (`USER_HZ`, 100 on every
+/// utime + stime of `/proc/<pid>/stat` (cutime + cstime are the two after), in clock ticks of 1/100 s (`USER_HZ`, 100 on every
 /// Linux this runs on).
 fn process_cpu(pid: &str) -> Option<Duration> {
-    let ticks = stat_field(pid, 11)? + stat_field(pid, 12)?;
+    ticks(pid, 11, 12)
+}
+
+/// The sum of two fields of `/proc/<pid>/stat` in clock ticks, as a duration.
+fn ticks(pid: &str, a: usize, b: usize) -> Option<Duration> {
+    let ticks = stat_field(pid, a)? + stat_field(pid, b)?;
     Some(Duration::from_millis(ticks * 10))
 }
 

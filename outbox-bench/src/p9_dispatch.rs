@@ -3,7 +3,7 @@
 //! - P9a: against an API that answers at once, the dispatcher (`Dispatcher::run` with the
 //!   HTTP executor) vs the hand-written loop of issue 28 (claim `FOR UPDATE SKIP LOCKED`,
 //!   call, mark, commit) with the same reqwest client and the same concurrency, 64 calls in
-//!   flight: 4 loops claiming 16 rows each (the dispatcher's batch size) and calling a
+//!   flight: 2 loops claiming 32 rows each (the dispatcher's batch size) and calling a
 //!   batch's rows at once.
 //! - P9b: at 20 ms of API latency with `max_in_flight` 64, the dispatcher's actions/s against
 //!   the bound that concurrency across keys allows, 64 / 20 ms = 3,200/s, with each key's
@@ -41,8 +41,8 @@ const MAX_IN_FLIGHT: usize = 64;
 /// P9b's API latency.
 const LATENCY: Duration = Duration::from_millis(20);
 
-/// The dispatcher's settings in both figures: the defaults (batches of 16, 64 calls in
-/// flight, 4 + 1 batches side by side).
+/// The dispatcher's settings in both figures: the defaults (batches of 32, 64 calls in
+/// flight, 2 + 1 batches side by side).
 fn config() -> DispatcherConfig {
     DispatcherConfig::new(DESTINATION).max_in_flight(MAX_IN_FLIGHT)
 }

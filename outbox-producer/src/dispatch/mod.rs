@@ -107,7 +107,7 @@ impl<E: Executor> std::fmt::Debug for Dispatcher<E> {
 impl<E: Executor> Dispatcher<E> {
     /// A dispatcher of `config.destination`'s actions. The pool needs a connection per batch
     /// run side by side (`max_in_flight / batch_size`, rounded up, and one more) and one to
-    /// LISTEN: 6 with the defaults.
+    /// LISTEN: 4 with the defaults.
     pub fn new(pool: PgPool, config: DispatcherConfig, executor: E) -> Result<Self, ProducerError> {
         let topic = config.validate()?;
         let metrics = LaneMetrics {

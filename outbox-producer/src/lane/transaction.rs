@@ -16,26 +16,32 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 /// rows Postgres JIT-compiled it: 268 ms of compiling for 4 ms of work per batch at 3M
 /// pending (bench P7). It never pays here.
 ///
+/// Custom plans only: the claim is planned with its batch size on every run (see
+/// `run_batch`); Postgres's generic plan of it scanned the backlog.
+///
 /// A statement may wait that long (for a lock a migration holds, say) before it fails.
 ///
 /// A transaction idle that long ends: the bound of a relay that stopped (a stalled process
 /// keeps its connection, and the locks on its claimed rows, which hold their keys back from
 /// every other relay). A waiting relay is never idle that long: it touches the transaction
 /// every [`KEEPALIVE`], however long Kafka takes.
-const SETTINGS: &str = "SET LOCAL jit = off; \
-                        SET LOCAL statement_timeout = '5min'; \
-                        SET LOCAL idle_in_transaction_session_timeout = '30s'";
+///
+/// Sent with the `BEGIN`, in one round trip (the simple-query protocol takes several
+/// statements): a batch's cycle is a few milliseconds, and a round trip of its own cost
+/// 0.3 ms of it (bench P9, 2026-12-06).
+const BEGIN_WITH_SETTINGS: &str = "BEGIN; \
+                                   SET LOCAL jit = off; \
+                                   SET LOCAL plan_cache_mode = force_custom_plan; \
+                                   SET LOCAL statement_timeout = '5min'; \
+                                   SET LOCAL idle_in_transaction_session_timeout = '30s'";
 
 /// How often a batch waiting for Kafka runs a statement in its transaction; well below the
-/// idle bound in [`SETTINGS`].
+/// idle bound in [`BEGIN_WITH_SETTINGS`].
 const KEEPALIVE: Duration = Duration::from_secs(2);
 
 /// Begins a batch's transaction, with the relay's own settings.
 pub(super) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    // One round trip for all three (the simple-query protocol takes several statements).
-    sqlx::raw_sql(SETTINGS).execute(&mut *tx).await?;
-    Ok(tx)
+    pool.begin_with(BEGIN_WITH_SETTINGS).await
 }
 
 /// Awaits `wait` (the Kafka wait), touching `conn`'s transaction every [`KEEPALIVE`] so it

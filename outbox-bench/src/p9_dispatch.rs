@@ -283,7 +283,6 @@ struct Breakdown {
     rows_per_batch: f64,
     /// Workers × elapsed / batches: one worker's time per batch.
     cycle: f64,
-    settings: f64,
     claim: f64,
     mark: f64,
     commit: f64,
@@ -329,7 +328,6 @@ impl Breakdown {
             batches,
             rows_per_batch: claims.rows as f64 / batches as f64,
             cycle,
-            settings: per_batch(sum(&["SET LOCAL"])),
             claim: per_batch(claims),
             // The dispatcher's names the table quoted.
             mark: per_batch(sum(&["UPDATE"])),
@@ -340,20 +338,18 @@ impl Breakdown {
             process_cpu: 1e6 * cpu.this.as_secs_f64() / actions as f64,
             ..Self::default()
         };
-        b.rest = b.cycle - b.settings - b.claim - b.mark - b.commit;
+        b.rest = b.cycle - b.claim - b.mark - b.commit;
         b
     }
 
     fn line(&self, who: &str) -> String {
         format!(
-            "{who:<11} {:>6} batches of {:>4.1} rows, per batch (ms): cycle {:>6.2} = settings \
-             {:.2} + claim {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean \
-             call {:.2} ms, calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this \
+            "{who:<11} {:>6} batches of {:>4.1} rows, per batch (ms): cycle {:>6.2} = claim \
+             {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean call {:.2} ms, calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this \
              process {:.0} us",
             self.batches,
             self.rows_per_batch,
             self.cycle,
-            self.settings,
             self.claim,
             self.mark,
             self.commit,
@@ -430,9 +426,8 @@ async fn breakdown(
 /// the hand loop's, in ms per batch (no targets).
 fn breakdown_figures(id: &'static str, dispatcher: &Breakdown, hand: &Breakdown) -> Vec<Figure> {
     type Part = (&'static str, &'static str, fn(&Breakdown) -> f64);
-    let parts: [Part; 9] = [
+    let parts: [Part; 8] = [
         ("cycle", "ms/batch", |b| b.cycle),
-        ("SET LOCAL settings", "ms/batch", |b| b.settings),
         ("claim", "ms/batch", |b| b.claim),
         ("mark", "ms/batch", |b| b.mark),
         ("commit", "ms/batch", |b| b.commit),

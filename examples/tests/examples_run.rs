@@ -5,21 +5,22 @@
 use anyhow::{Context, Result, ensure};
 use outbox_tests::{database_url, kafka_bootstrap};
 
-/// `target/<profile>/examples/<name>`, built as a program. `cargo test` alone builds the
-/// examples so, but `cargo test --all-targets` (what `scripts/test` runs) builds them only
-/// as test harnesses (`<name>-<hash>`, which never call `main`): so the examples are built
-/// here once, by the cargo that runs this test, with the workspace's feature set (the one
-/// the test build used, so no dependency is compiled again) and this test's profile.
+/// The example `name`, built as a program. `cargo test` alone builds the examples so, but
+/// `cargo test --all-targets` (what `scripts/test` runs) builds them only as test harnesses
+/// (`<name>-<hash>`, which never call `main`): so the examples are built here once, by the
+/// cargo that runs this test, with the workspace's features (those of a `--workspace` test
+/// build, so nothing is compiled again then) and this test's profile; cargo says where each
+/// program is.
 async fn example(name: &str) -> Result<std::path::PathBuf> {
-    let profile_dir = BUILT
+    let programs = BUILT
         .get_or_try_init(|| async {
             let exe = std::env::current_exe()?;
-            let profile_dir = exe
+            let profile = match exe
                 .parent()
                 .and_then(std::path::Path::parent)
-                .context("the test binary's directory")?
-                .to_path_buf();
-            let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+                .and_then(std::path::Path::file_name)
+                .and_then(|n| n.to_str())
+            {
                 Some("debug") => "dev".to_owned(),
                 Some(other) => other.to_owned(),
                 None => anyhow::bail!("no profile directory above {}", exe.display()),
@@ -30,6 +31,7 @@ async fn example(name: &str) -> Result<std::path::PathBuf> {
                 .context("the workspace directory")?;
             let out = tokio::process::Command::new(&cargo)
                 .args(["build", "--workspace", "--examples", "--profile", &profile])
+                .args(["--message-format", "json-render-diagnostics"])
                 .current_dir(workspace)
                 .output()
                 .await
@@ -40,13 +42,33 @@ async fn example(name: &str) -> Result<std::path::PathBuf> {
                 out.status,
                 String::from_utf8_lossy(&out.stderr)
             );
-            Ok(profile_dir)
+            let mut programs = std::collections::HashMap::new();
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
+                    continue;
+                };
+                let is_example = message["target"]["kind"]
+                    .as_array()
+                    .is_some_and(|kinds| kinds.iter().any(|k| k == "example"));
+                if let (true, Some(name), Some(path)) = (
+                    is_example,
+                    message["target"]["name"].as_str(),
+                    message["executable"].as_str(),
+                ) {
+                    programs.insert(name.to_owned(), std::path::PathBuf::from(path));
+                }
+            }
+            Ok(programs)
         })
         .await?;
-    Ok(profile_dir.join("examples").join(name))
+    programs
+        .get(name)
+        .cloned()
+        .with_context(|| format!("cargo built no example {name}"))
 }
 
-static BUILT: tokio::sync::OnceCell<std::path::PathBuf> = tokio::sync::OnceCell::const_new();
+static BUILT: tokio::sync::OnceCell<std::collections::HashMap<String, std::path::PathBuf>> =
+    tokio::sync::OnceCell::const_new();
 
 async fn run(name: &str) -> Result<()> {
     let path = example(name).await?;

@@ -66,7 +66,15 @@ pub(crate) async fn postmaster(pool: &sqlx::PgPool) -> Option<u32> {
         .await
         .ok()?;
     let ppid = stat_field(&backend.to_string(), 1)?;
-    u32::try_from(ppid).ok()
+    // A server elsewhere (another machine, a container) reports a pid that means something
+    // else here, or nothing.
+    let is_postgres = |pid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .is_ok_and(|comm| comm.trim_end() == "postgres")
+    };
+    (is_postgres(&backend.to_string()) && is_postgres(&ppid.to_string()))
+        .then(|| u32::try_from(ppid).ok())
+        .flatten()
 }
 
 /// utime + stime of `/proc/<pid>/stat` (cutime + cstime are the two after), in clock ticks of 1/100 s (`USER_HZ`, 100 on every

@@ -441,7 +441,8 @@ async fn an_answer_postgres_cannot_store_is_stored_scrubbed_not_called_forever()
 /// An answer over `max_answer_bytes` or nested deeper than a managed PostgreSQL may parse
 /// would fail the batch's record (JSONB's 255 MiB limit, `stack depth limit exceeded`), and
 /// its calls would be made again on every batch: it is stored as a marker with its size and
-/// its start instead, and the action is done, called once.
+/// its start instead, and the action is done, called once. The dispatcher's sessions here
+/// have a small `max_stack_depth`, as a managed service may set, which refuses the deep one.
 #[tokio::test]
 async fn an_answer_too_large_or_too_deep_is_stored_as_a_marker_and_called_once() -> Result<()> {
     let db = TestDb::new().await?;
@@ -453,14 +454,24 @@ async fn an_answer_too_large_or_too_deep_is_stored_as_a_marker_and_called_once()
         move |action: Action| {
             calls.fetch_add(1, Ordering::SeqCst);
             let answer = match action.key.as_str() {
-                "a" => json!({ "invoice": "in_1", "pdf": "x".repeat(4096) }),
-                "b" => (0..200).fold(json!("in_2"), |inner, _| json!([inner])),
+                "a" => json!({ "invoice": "in_1", "pdf": "x".repeat(16_384) }),
+                "b" => (0..2_000).fold(json!("in_2"), |inner, _| {
+                    serde_json::Value::Array(vec![inner])
+                }),
                 _ => json!({ "invoice": "in_3" }),
             };
             async move { Outcome::done(answer) }
         }
     };
-    let dispatcher = Dispatcher::new(db.pool.clone(), config().max_answer_bytes(1024), executor)?;
+    let options = (*db.pool.connect_options())
+        .clone()
+        .options([("max_stack_depth", "100kB")]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await?;
+    // The deep answer is 4 KB of text: only its depth makes it a marker.
+    let dispatcher = Dispatcher::new(pool, config().max_answer_bytes(8192), executor)?;
     assert_eq!(dispatcher.run_once().await?.published, 3);
     assert_eq!(dispatcher.run_once().await?.claimed, 0);
     assert_eq!(calls.load(Ordering::SeqCst), 3);
@@ -469,7 +480,7 @@ async fn an_answer_too_large_or_too_deep_is_stored_as_a_marker_and_called_once()
     };
     let marker = &answer["outbox_answer_omitted"];
     assert!(
-        marker["bytes"].as_u64().is_some_and(|b| b > 4096),
+        marker["bytes"].as_u64().is_some_and(|b| b > 16_384),
         "{marker}"
     );
     let start = marker["start"].as_str().expect("start");
@@ -529,12 +540,28 @@ async fn configurations_that_cannot_work_are_refused() -> Result<()> {
         DispatcherConfig::new(""),
         config().max_in_flight(0),
         config().call_timeout(Duration::ZERO),
-        // 64 / 16 = 4 batches side by side, one more and a listener: more than 2 connections.
+        // 64 / 32 = 2 batches side by side, one more and a listener: more than 2 connections.
         config(),
     ] {
         assert!(
             Dispatcher::new(db.pool.clone(), bad.clone(), executor).is_err(),
             "{bad:?}"
+        );
+    }
+    // Answers over JSONB's limit once stored in binary form; a batch's answers over 1 GiB.
+    let fits = config().max_in_flight(1).listen(false);
+    Dispatcher::new(db.pool.clone(), fits.clone(), executor)?;
+    for (bad, says) in [
+        (fits.clone().max_answer_bytes(64 << 20), "max_answer_bytes"),
+        (
+            fits.clone().batch_size(128),
+            "batch_size x max_answer_bytes",
+        ),
+    ] {
+        let refused = Dispatcher::new(db.pool.clone(), bad, executor).map(|_| ());
+        assert!(
+            matches!(&refused, Err(e) if e.to_string().contains(says)),
+            "{refused:?}"
         );
     }
     let mut delete = config().max_in_flight(1);

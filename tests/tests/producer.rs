@@ -652,19 +652,22 @@ async fn a_relay_refuses_a_pool_too_small_for_its_connections() -> Result<()> {
 }
 
 /// The claim's cost estimate grows with the backlog, and past a few million pending rows
-/// Postgres JIT-compiled it: 268 ms of compiling for 4 ms of work per batch (bench P7). The
-/// relay's batch transaction begins with JIT off and its own timeouts (sent with its `BEGIN`,
-/// so before the claim), whatever the session's defaults: a trigger on the rows it marks
-/// reads the settings in force in that transaction.
+/// Postgres JIT-compiled it: 268 ms of compiling for 4 ms of work per batch (bench P7); and
+/// its generic plan (which Postgres may switch a prepared statement to after five runs)
+/// scanned the backlog. The batch's transaction sets its own JIT, plan cache mode and
+/// timeouts with its `BEGIN`, whatever the session says: here a session that says the
+/// opposite of each. A trigger on the rows it marks reads the settings in force in that
+/// transaction, and the claim's prepared statement, after a dozen batches on the relay's one
+/// connection, was never planned generically.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_claim_runs_without_jit() -> Result<()> {
+async fn the_claim_runs_without_jit_and_on_custom_plans() -> Result<()> {
     let db = TestDb::new().await?;
     let topic = random_topic(1).await?;
     sqlx::raw_sql(
-        "CREATE TABLE seen_settings (jit text, statement_timeout text, idle text); \
+        "CREATE TABLE seen_settings (jit text, plans text, statement_timeout text, idle text); \
          CREATE FUNCTION record_settings() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            INSERT INTO seen_settings VALUES (current_setting('jit'), \
-             current_setting('statement_timeout'), \
+             current_setting('plan_cache_mode'), current_setting('statement_timeout'), \
              current_setting('idle_in_transaction_session_timeout')); \
            RETURN NEW; END $$; \
          CREATE TRIGGER record_settings BEFORE UPDATE ON outbox_events \
@@ -672,22 +675,49 @@ async fn the_claim_runs_without_jit() -> Result<()> {
     )
     .execute(&db.pool)
     .await?;
-    let session_jit: String = sqlx::query_scalar("SELECT current_setting('jit')")
-        .fetch_one(&db.pool)
+    let options = (*db.pool.connect_options()).clone().options([
+        ("jit", "on"),
+        ("plan_cache_mode", "force_generic_plan"),
+        ("statement_timeout", "0"),
+        ("idle_in_transaction_session_timeout", "0"),
+    ]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
         .await?;
-    let mut tx = db.pool.begin().await?;
-    outbox_producer::enqueue(&mut tx, &event(&topic, "k", 0)?).await?;
-    tx.commit().await?;
-    let relay = relay(&db, RelayConfig::default().listen(false))?;
-    assert_eq!(relay.run_once().await?.published, 1);
-    let seen: Vec<(String, String, String)> = sqlx::query_as("SELECT * FROM seen_settings")
-        .fetch_all(&db.pool)
-        .await?;
+    let relay = Relay::new(
+        pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default().listen(false),
+    )?;
+    for n in 0..12 {
+        let mut tx = db.pool.begin().await?;
+        outbox_producer::enqueue(&mut tx, &event(&topic, "k", n)?).await?;
+        tx.commit().await?;
+        assert_eq!(relay.run_once().await?.published, 1);
+    }
+    let seen: Vec<(String, String, String, String)> =
+        sqlx::query_as("SELECT DISTINCT * FROM seen_settings")
+            .fetch_all(&db.pool)
+            .await?;
+    let expected = ("off", "force_custom_plan", "5min", "30s");
     assert_eq!(
         seen,
-        vec![("off".to_owned(), "5min".to_owned(), "30s".to_owned())],
-        "the session's own jit: {session_jit}"
+        vec![(
+            expected.0.to_owned(),
+            expected.1.to_owned(),
+            expected.2.to_owned(),
+            expected.3.to_owned()
+        )]
     );
+    let (generic, custom): (i64, i64) = sqlx::query_as(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements \
+         WHERE statement LIKE '%claimed AS%'",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(generic, 0, "{custom} custom plans");
+    assert!(custom >= 12, "{custom} custom plans");
     Ok(())
 }
 
@@ -765,5 +795,48 @@ async fn the_claims_probe_for_held_keys_stays_on_its_index_after_a_quiet_spell()
             "{policy:?}"
         );
     }
+    Ok(())
+}
+
+/// The claim is a prepared statement per connection. A migration that changes the type of a
+/// column it returns makes Postgres refuse it ("cached plan must not change result type");
+/// the relay closes it, so the next batch prepares it again, and publishing goes on.
+#[tokio::test]
+async fn a_migration_that_changes_a_claimed_column_costs_one_batch() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = random_topic(1).await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*db.pool.connect_options()).clone())
+        .await?;
+    let relay = Relay::new(
+        pool,
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default().listen(false),
+    )?;
+    let enqueue_one = |n| {
+        let db = &db;
+        let topic = &topic;
+        async move {
+            let mut tx = db.pool.begin().await?;
+            outbox_producer::enqueue(&mut tx, &event(topic, "k", n)?).await?;
+            tx.commit().await?;
+            anyhow::Ok(())
+        }
+    };
+    enqueue_one(0).await?;
+    assert_eq!(relay.run_once().await?.published, 1);
+    sqlx::query("ALTER TABLE outbox_events ALTER COLUMN type TYPE varchar(200)")
+        .execute(&db.pool)
+        .await?;
+    enqueue_one(1).await?;
+    let refused = relay.run_once().await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("result type")),
+        "{refused:?}"
+    );
+    assert_eq!(relay.run_once().await?.published, 1);
     Ok(())
 }

@@ -4,6 +4,11 @@ use outbox_core::TableNames;
 
 use crate::relay::{AfterPublish, QuarantinePolicy, RelayConfig};
 
+/// Largest [`DispatcherConfig::max_answer_bytes`].
+const MAX_ANSWER_BYTES: usize = 32 << 20;
+/// Largest `batch_size` x `max_answer_bytes`.
+const MAX_BATCH_ANSWER_BYTES: usize = 512 << 20;
+
 /// Settings of a [`super::Dispatcher`].
 ///
 /// Claiming, retrying, quarantining, waking up and shutting down work as the relay's do, with
@@ -23,10 +28,12 @@ pub struct DispatcherConfig {
     /// Longest answer (its JSON text) stored as the action's outcome. A longer one, or one
     /// nested deeper than 128 levels, is stored as
     /// `{"outbox_answer_omitted": {"reason": ..., "bytes": n, "start": "<its first KiB>"}}`
-    /// and the action is still done (or rejected): PostgreSQL refuses JSONB values over
-    /// 255 MiB and nesting deeper than its stack allows, and a record that fails would make
-    /// the calls again. The default, 8 MiB, holds the HTTP executor's largest answer (a
-    /// 1 MiB body, escaped).
+    /// (`bytes` null for a too deep one) and the action is still done (or rejected):
+    /// PostgreSQL refuses JSONB values over 255 MiB (the binary form, several times the
+    /// text of a dense array) and nesting deeper than its stack allows, and a record that
+    /// fails would make the calls again. The default, 8 MiB, holds the HTTP executor's
+    /// largest answer (a 1 MiB body, escaped); at most 32 MiB, and a batch's answers
+    /// (`batch_size` times this) at most 512 MiB, under PostgreSQL's 1 GiB message limit.
     pub max_answer_bytes: usize,
     /// Claim, retry, quarantine, wake-up and shutdown settings, as the relay's.
     /// `after_publish` must stay [`AfterPublish::Mark`]: a done action keeps its outcome
@@ -128,6 +135,22 @@ impl DispatcherConfig {
         }
         if self.call_timeout.is_zero() {
             return bad("call_timeout must be more than zero".into());
+        }
+        if self.max_answer_bytes > MAX_ANSWER_BYTES {
+            return bad(format!(
+                "max_answer_bytes must be at most {MAX_ANSWER_BYTES} (JSONB's limit applies to \
+                 the binary form, several times the text)"
+            ));
+        }
+        let batch_answers = self
+            .max_answer_bytes
+            .saturating_mul(usize::try_from(self.lane.batch_size).unwrap_or(usize::MAX));
+        if batch_answers > MAX_BATCH_ANSWER_BYTES {
+            return bad(format!(
+                "batch_size x max_answer_bytes must be at most {MAX_BATCH_ANSWER_BYTES}: a \
+                 batch's answers are stored in one statement, under PostgreSQL's 1 GiB message \
+                 limit"
+            ));
         }
         if self.lane.after_publish != AfterPublish::Mark {
             return bad(

@@ -20,13 +20,16 @@
 //!   up to [`DispatcherConfig::max_in_flight`] calls. A key held back (waiting for a retry,
 //!   or quarantined under [`QuarantinePolicy::BlockKey`](crate::QuarantinePolicy)) never holds
 //!   back the others.
-//! - **Outcomes**: [`Outcome::Done`] stores the answer with the row ([`outcome`] reads it);
+//! - **Outcomes**: [`Outcome::Done`] stores the answer with the row ([`outcome`] reads it;
+//!   an answer over [`DispatcherConfig::max_answer_bytes`] or nested deeper than 128 levels
+//!   is stored as `{"outbox_answer_omitted": {"reason": ..., "bytes": n or null, "start":
+//!   ...}}`);
 //!   [`Outcome::Retry`] retries after a backoff (at least what the destination asked for),
 //!   counted against `max_attempts`, then quarantines; [`Outcome::Rejected`] quarantines at
 //!   once with the answer; [`Outcome::Unavailable`] charges nothing: when no call of a batch
 //!   got an answer the dispatcher pauses as a whole (backoff up to 30 s) and tries again.
 //!   A call is bounded by `call_timeout`, and a panic is caught: both count as a retry.
-//! - **A slow call** holds back the record of its own batch (`batch_size` rows, 16 by
+//! - **A slow call** holds back the record of its own batch (`batch_size` rows, 32 by
 //!   default) until it ends, never the other batches: the dispatcher runs
 //!   `max_in_flight / batch_size` batches side by side, and one more that claims and records
 //!   while the others call (calls stay capped at `max_in_flight`).

@@ -19,8 +19,10 @@ const START_BYTES: usize = 1024;
 /// that the action is still recorded (done, or rejected) and never called again for it.
 pub(crate) fn storable(mut answer: Value, max_bytes: usize) -> String {
     if deeper_than(&answer, MAX_DEPTH) {
-        // Neither written nor scrubbed: both recurse, and this one may be deep enough to
-        // overflow the stack.
+        // Neither written nor scrubbed, and taken apart without recursion: writing, scrubbing
+        // and dropping a `Value` all recurse, and this one may be deep enough to overflow
+        // the stack.
+        dismantle(answer);
         return omitted(format!("nested deeper than {MAX_DEPTH} levels"), None, "");
     }
     scrub(&mut answer);
@@ -63,6 +65,18 @@ fn deeper_than(value: &Value, limit: usize) -> bool {
     false
 }
 
+/// Drops `value` one level at a time.
+fn dismantle(value: Value) {
+    let mut stack = vec![value];
+    while let Some(value) = stack.pop() {
+        match value {
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => stack.extend(map.into_iter().map(|(_, v)| v)),
+            _ => {}
+        }
+    }
+}
+
 fn scrub(value: &mut Value) {
     match value {
         Value::String(s) if s.contains('\0') => *s = s.replace('\0', "\u{fffd}"),
@@ -85,7 +99,7 @@ mod tests {
     use super::*;
 
     fn nested(levels: usize) -> Value {
-        (0..levels).fold(json!(1), |inner, _| json!([inner]))
+        (0..levels).fold(json!(1), |inner, _| Value::Array(vec![inner]))
     }
 
     #[test]
@@ -100,6 +114,21 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_too_deep_to_drop_recursively_is_taken_apart() {
+        // Deep enough to overflow a 2 MiB stack if written or dropped recursively.
+        let deep = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(|| {
+                let deep = (0..200_000).fold(json!(1), |inner, _| Value::Array(vec![inner]));
+                storable(deep, usize::MAX)
+            })
+            .expect("thread")
+            .join()
+            .expect("no stack overflow");
+        assert!(deep.contains("nested deeper than 128"), "{deep}");
+    }
+
+    #[test]
     fn depth_is_counted_in_arrays_and_objects() {
         assert!(!deeper_than(&nested(MAX_DEPTH), MAX_DEPTH));
         assert!(deeper_than(&nested(MAX_DEPTH + 1), MAX_DEPTH));
@@ -110,7 +139,8 @@ mod tests {
 
     #[test]
     fn a_marker_starts_with_the_answer_cut_on_a_character() {
-        let answer = json!({ "s": "é".repeat(2000) });
+        // `{"s":"` is 6 bytes and each `€` 3: byte 1024 falls inside one.
+        let answer = json!({ "s": "€".repeat(2000) });
         let stored: Value = serde_json::from_str(&storable(answer.clone(), 100)).expect("json");
         let marker = &stored["outbox_answer_omitted"];
         assert_eq!(marker["bytes"], answer.to_string().len());

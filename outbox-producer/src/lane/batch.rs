@@ -20,10 +20,23 @@ impl<D: Destination> Lane<D> {
         // on every run: the transaction's `plan_cache_mode` keeps Postgres from switching it
         // to a generic plan after five runs, which scanned the backlog (18 s per batch at 10M
         // pending, bench P7).
-        let rows: Vec<OutboxRow> = sqlx::query_as(self.sql.claim.clone())
+        let claimed = sqlx::query_as(self.sql.claim.clone())
             .bind(i64::from(self.config.batch_size))
             .fetch_all(&mut *tx)
-            .await?;
+            .await;
+        let rows: Vec<OutboxRow> = match claimed {
+            Ok(rows) => rows,
+            Err(error) => {
+                if is_stale_statement(&error) {
+                    // A migration changed a column the claim returns: its prepared statement
+                    // no longer fits the table. Closed, so prepared again on the next batch
+                    // (closing a statement is allowed in the aborted transaction).
+                    let _ = sqlx::Connection::clear_cached_statements(&mut *tx).await;
+                }
+                let _ = tx.rollback().await;
+                return Err(error.into());
+            }
+        };
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -60,4 +73,12 @@ impl<D: Destination> Lane<D> {
         );
         Ok(report)
     }
+}
+
+/// "cached plan must not change result type" (0A000): a prepared statement whose result
+/// columns a migration changed.
+fn is_stale_statement(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .is_some_and(|e| e.code().as_deref() == Some("0A000"))
 }

@@ -28,18 +28,24 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 ///
 /// Sent with the `BEGIN`, in one round trip (the simple-query protocol takes several
 /// statements): a batch's cycle is a few milliseconds, and a round trip of its own cost
-/// 0.3 ms of it (bench P9, 2026-12-06).
+/// 0.3 ms of it (bench P9, 2026-12-06). Set with `set_config(..., true)` (`SET LOCAL`) only
+/// where the server knows the setting, so that this cannot fail on an older server (see
+/// [`begin`]; PostgreSQL 12 is the oldest with `plan_cache_mode`, which the claim needs).
 const BEGIN_WITH_SETTINGS: &str = "BEGIN; \
-                                   SET LOCAL jit = off; \
-                                   SET LOCAL plan_cache_mode = force_custom_plan; \
-                                   SET LOCAL statement_timeout = '5min'; \
-                                   SET LOCAL idle_in_transaction_session_timeout = '30s'";
+    SELECT set_config(s.name, s.value, true) \
+    FROM (VALUES ('jit', 'off'), ('plan_cache_mode', 'force_custom_plan'), \
+                 ('statement_timeout', '5min'), \
+                 ('idle_in_transaction_session_timeout', '30s')) AS s(name, value) \
+    WHERE current_setting(s.name, true) IS NOT NULL";
 
 /// How often a batch waiting for Kafka runs a statement in its transaction; well below the
 /// idle bound in [`BEGIN_WITH_SETTINGS`].
 const KEEPALIVE: Duration = Duration::from_secs(2);
 
-/// Begins a batch's transaction, with the relay's own settings.
+/// Begins a batch's transaction, with the lane's own settings, in one round trip. The
+/// settings cannot fail on a server that lacks one of them: sqlx counts the transaction only
+/// once its `BEGIN` statement succeeded, so a failure after the `BEGIN` would put the
+/// connection back in the pool inside an aborted transaction.
 pub(super) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
     pool.begin_with(BEGIN_WITH_SETTINGS).await
 }

@@ -72,14 +72,14 @@ struct QuarantineRow {
 }
 
 /// Logs the first few examples of a violation.
-fn report<T: std::fmt::Debug>(what: &str, examples: &[T]) {
+pub(crate) fn report<T: std::fmt::Debug>(what: &str, examples: &[T]) {
     if !examples.is_empty() {
         let shown: Vec<_> = examples.iter().take(5).collect();
         tracing::error!(count = examples.len(), examples = ?shown, "violation: {what}");
     }
 }
 
-fn n(len: usize) -> u64 {
+pub(crate) fn n(len: usize) -> u64 {
     u64::try_from(len).unwrap_or(u64::MAX)
 }
 

@@ -22,6 +22,7 @@ use outbox_examples::billing_api::{BillingApi, Charge};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
+use crate::checker::{n, report};
 use crate::children::action_writer::{DESTINATION, parse_invoice};
 use crate::profile::DispatchLoad;
 use crate::summary::Summary;
@@ -43,18 +44,6 @@ struct ActionRow {
     invoice: Option<String>,
     n: Option<i64>,
     charge_id: Option<String>,
-}
-
-/// Logs the first few examples of a violation.
-fn report<T: std::fmt::Debug>(what: &str, examples: &[T]) {
-    if !examples.is_empty() {
-        let shown: Vec<_> = examples.iter().take(5).collect();
-        tracing::error!(count = examples.len(), examples = ?shown, "violation: {what}");
-    }
-}
-
-fn n(len: usize) -> u64 {
-    u64::try_from(len).unwrap_or(u64::MAX)
 }
 
 /// Holds the API's ledger (`charges`, in the order they were applied) against the committed

@@ -52,15 +52,17 @@ fn omitted(reason: String, bytes: Option<usize>, text: &str) -> String {
 fn deeper_than(value: &Value, limit: usize) -> bool {
     let mut stack = vec![(value, 0_usize)];
     while let Some((value, depth)) = stack.pop() {
-        let children: Box<dyn Iterator<Item = &Value>> = match value {
-            Value::Array(items) => Box::new(items.iter()),
-            Value::Object(map) => Box::new(map.values()),
-            _ => continue,
+        let (Value::Array(_) | Value::Object(_)) = value else {
+            continue;
         };
         if depth == limit {
             return true;
         }
-        stack.extend(children.map(|child| (child, depth + 1)));
+        match value {
+            Value::Array(items) => stack.extend(items.iter().map(|child| (child, depth + 1))),
+            Value::Object(map) => stack.extend(map.values().map(|child| (child, depth + 1))),
+            _ => {}
+        }
     }
     false
 }

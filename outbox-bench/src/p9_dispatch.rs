@@ -38,8 +38,8 @@ const TOPIC: &str = "dispatch:bench";
 const PER_KEY: usize = 4;
 /// The dispatcher's calls in flight (its default).
 const MAX_IN_FLIGHT: usize = 64;
-/// Connections opened before each run: the dispatcher's batches (3) and the loops (2), with
-/// room to spare.
+/// Connections opened before each run: the most the dispatcher holds at once (its 3 batches,
+/// its `LISTEN`, its gauges' query, and `wait_drained`'s check); the loops use 2.
 const WARM_CONNECTIONS: usize = 6;
 /// P9b's API latency.
 const LATENCY: Duration = Duration::from_millis(20);
@@ -82,12 +82,11 @@ async fn fixture(actions: usize, latency: Option<Duration>) -> Result<(TestDb, B
     sqlx::query("VACUUM ANALYZE outbox_events")
         .execute(&db.pool)
         .await?;
-    // Both variants start from a pool that holds the connections their batches use, as a
-    // running service's pool does: opening four (TLS, SCRAM) took 108 ms on this 2-core
-    // machine, and the dispatcher (three batches, its gauges) opened two more than the
-    // loops' two inside a timed run of under a second (P9a 0.78-0.81 before in three runs of
-    // 3 rounds, 0.92-1.02 after in four runs of 5 rounds; 2026-12-06). The dispatcher's own
-    // LISTEN connection is still opened inside its timed run.
+    // Both variants start from a pool that holds the connections they use, as a running
+    // service's pool does: opening four (TLS, SCRAM) took 108 ms on this 2-core machine, and
+    // with the two the fixture leaves open the dispatcher opened up to four inside a timed
+    // run of under a second, the loops none (P9a 0.78-0.81 before in three runs of 3 rounds,
+    // 0.92-1.02 after in four runs of 5 rounds; 2026-12-06).
     let warm = try_join_all((0..WARM_CONNECTIONS).map(|_| db.pool.acquire())).await?;
     drop(warm);
     let api = BillingApi::start().await?;

@@ -162,9 +162,12 @@ impl RelaySql {
             // anti-joins the planner, misled by stale statistics on fresh pending rows, scanned
             // every pending row per claimed row (2 s vs 12 ms per batch with 1M retained rows;
             // for the held check, 2.2 s vs 0.25 s per batch at 10M pending, bench P7).
-            // The claimed rows' columns are read once, as they are locked: joined back to the
-            // table, each row was fetched a second time and the statement took longer to plan
-            // (0.27 vs 0.34 ms, 0.14 vs 0.19 ms to run for 16 rows; bench P9, 2026-12-06).
+            // The claimed rows' columns are those of the version each lock took: a row
+            // updated and committed after the statement's snapshot is locked (and rechecked)
+            // in its newest version, where a join back to the table, reading with the
+            // snapshot, returned the version before the update, and fetched every row twice
+            // (0.34 vs 0.27 ms to plan, 0.19 vs 0.14 ms to run for 16 rows, EXPLAIN ANALYZE
+            // on PostgreSQL 15, 2026-12-06).
             claim: sql(format!(
                 "WITH claimed AS ( \
                     SELECT seq, id, aggregatetype, aggregateid, type, payload, headers, topic, \

@@ -202,6 +202,73 @@ async fn a_slow_call_holds_back_neither_other_keys_nor_other_batches() -> Result
     Ok(())
 }
 
+/// On a table of a few dozen rows Postgres answered the claim with a sorted sequential scan,
+/// which ran the claim's per-key lock on every due row while it kept 32: one batch held all
+/// 50 keys until it committed, and a second batch beside it found nothing to claim.
+#[tokio::test]
+async fn a_batch_on_a_small_table_holds_only_the_keys_it_claimed() -> Result<()> {
+    let db = TestDb::new().await?;
+    let events = (0..50)
+        .map(|k| action(&format!("k{k}"), 0))
+        .collect::<Result<Vec<_>>>()?;
+    enqueue(&db, &events).await?;
+    // The statistics of a table this small, as autovacuum would leave them.
+    sqlx::query("VACUUM ANALYZE outbox_events")
+        .execute(&db.pool)
+        .await?;
+    let started = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let executor = {
+        let (started, release) = (started.clone(), release.clone());
+        move |_action: Action| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                let _permit = release.acquire().await;
+                Outcome::done(json!({ "ok": true }))
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .max_in_flight(64)
+            .batch_size(32)
+            .call_timeout(Duration::from_secs(120)),
+        executor,
+    )?;
+    let first = tokio::spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.run_once().await }
+    });
+    eventually("the first batch's 32 calls in flight", WAIT, || async {
+        Ok(started.load(Ordering::SeqCst) == 32)
+    })
+    .await?;
+    let second = tokio::spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.run_once().await }
+    });
+    eventually(
+        "the other 18 keys' calls beside the first batch",
+        WAIT,
+        || async {
+            anyhow::ensure!(
+                !second.is_finished(),
+                "the second batch ended with {} calls in flight: it found no key to claim",
+                started.load(Ordering::SeqCst)
+            );
+            Ok(started.load(Ordering::SeqCst) == 50)
+        },
+    )
+    .await?;
+    release.add_permits(50);
+    let (first, second) = (first.await??, second.await??);
+    assert_eq!((first.claimed, second.claimed), (32, 18));
+    assert_eq!(dispatched(&db).await?, 50);
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_destination_that_does_not_answer_charges_nothing_and_is_resumed() -> Result<()> {
     let db = TestDb::new().await?;

@@ -19,6 +19,12 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 /// Custom plans only: the claim is planned with its batch size on every run (see
 /// `run_batch`); Postgres's generic plan of it scanned the backlog.
 ///
+/// Sorts off: the claim reads its rows in `seq` order from an index and stops at its batch.
+/// On a table of a few dozen rows Postgres sorted a sequential scan instead, which ran the
+/// claim's filter, and so its per-key advisory lock, on every due row: a batch of 32 held all
+/// 50 keys of the table until it committed, and the batches beside it claimed nothing. (The
+/// claim's last step still sorts its batch: no plan can do without it.)
+///
 /// A statement may wait that long (for a lock a migration holds, say) before it fails.
 ///
 /// A transaction idle that long ends: the bound of a relay that stopped (a stalled process
@@ -34,7 +40,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 const BEGIN_WITH_SETTINGS: &str = "BEGIN; \
     SELECT set_config(s.name, s.value, true) \
     FROM (VALUES ('jit', 'off'), ('plan_cache_mode', 'force_custom_plan'), \
-                 ('statement_timeout', '5min'), \
+                 ('enable_sort', 'off'), ('statement_timeout', '5min'), \
                  ('idle_in_transaction_session_timeout', '30s')) AS s(name, value) \
     WHERE current_setting(s.name, true) IS NOT NULL";
 

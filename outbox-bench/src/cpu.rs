@@ -77,8 +77,8 @@ pub(crate) async fn postmaster(pool: &sqlx::PgPool) -> Option<u32> {
         .flatten()
 }
 
-/// utime + stime of `/proc/<pid>/stat` (cutime + cstime are the two after), in clock ticks of 1/100 s (`USER_HZ`, 100 on every
-/// Linux this runs on).
+/// utime + stime of `/proc/<pid>/stat` (cutime + cstime are the two after), in clock ticks
+/// of 1/100 s (`USER_HZ`, 100 on every Linux this runs on).
 fn process_cpu(pid: &str) -> Option<Duration> {
     ticks(pid, 11, 12)
 }

@@ -85,8 +85,8 @@ async fn fixture(actions: usize, latency: Option<Duration>) -> Result<(TestDb, B
     // Both variants start from a pool that holds the connections they use, as a running
     // service's pool does: opening four (TLS, SCRAM) took 108 ms on this 2-core machine, and
     // with the two the fixture leaves open the dispatcher opened up to four inside a timed
-    // run of under a second, the loops none (P9a 0.78-0.81 before in three runs of 3 rounds,
-    // 0.92-1.02 after in four runs of 5 rounds; 2026-12-06).
+    // run of under a second, the loops none (P9a 0.78-0.81 before in three runs of 3 rounds;
+    // after, 0.88-1.02 and a median of 0.94 in thirteen runs of 5 rounds; 2026-12-06).
     let warm = try_join_all((0..WARM_CONNECTIONS).map(|_| db.pool.acquire())).await?;
     drop(warm);
     let api = BillingApi::start().await?;
@@ -355,8 +355,8 @@ impl Breakdown {
     fn line(&self, who: &str) -> String {
         format!(
             "{who:<11} {:>6} batches of {:>4.1} rows, per batch (ms): cycle {:>6.2} = claim \
-             {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean call {:.2} ms, calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this \
-             process {:.0} us",
+             {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean call {:.2} ms, \
+             calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this process {:.0} us",
             self.batches,
             self.rows_per_batch,
             self.cycle,

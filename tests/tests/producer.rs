@@ -654,9 +654,10 @@ async fn a_relay_refuses_a_pool_too_small_for_its_connections() -> Result<()> {
 /// The claim's cost estimate grows with the backlog, and past a few million pending rows
 /// Postgres JIT-compiled it: 268 ms of compiling for 4 ms of work per batch (bench P7); and
 /// its generic plan (which Postgres may switch a prepared statement to after five runs)
-/// scanned the backlog. The batch's transaction sets its own JIT, plan cache mode and
-/// timeouts with its `BEGIN`, whatever the session says: here a session that says the
-/// opposite of each. A trigger on the rows it marks reads the settings in force in that
+/// scanned the backlog; and on a small table a sorted sequential scan took every due key's
+/// lock (`dispatcher::a_batch_on_a_small_table_holds_only_the_keys_it_claimed`). The batch's
+/// transaction sets its own JIT, plan cache mode, sorting and timeouts with its `BEGIN`,
+/// whatever the session says: here a session that says the opposite of each. A trigger on the rows it marks reads the settings in force in that
 /// transaction, and the claim's prepared statement, after a dozen batches on the relay's one
 /// connection, was never planned generically.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -664,10 +665,12 @@ async fn the_claim_runs_without_jit_and_on_custom_plans() -> Result<()> {
     let db = TestDb::new().await?;
     let topic = random_topic(1).await?;
     sqlx::raw_sql(
-        "CREATE TABLE seen_settings (jit text, plans text, statement_timeout text, idle text); \
+        "CREATE TABLE seen_settings (jit text, plans text, sort text, statement_timeout text, \
+           idle text); \
          CREATE FUNCTION record_settings() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
            INSERT INTO seen_settings VALUES (current_setting('jit'), \
-             current_setting('plan_cache_mode'), current_setting('statement_timeout'), \
+             current_setting('plan_cache_mode'), current_setting('enable_sort'), \
+             current_setting('statement_timeout'), \
              current_setting('idle_in_transaction_session_timeout')); \
            RETURN NEW; END $$; \
          CREATE TRIGGER record_settings BEFORE UPDATE ON outbox_events \
@@ -678,6 +681,7 @@ async fn the_claim_runs_without_jit_and_on_custom_plans() -> Result<()> {
     let options = (*db.pool.connect_options()).clone().options([
         ("jit", "on"),
         ("plan_cache_mode", "force_generic_plan"),
+        ("enable_sort", "on"),
         ("statement_timeout", "0"),
         ("idle_in_transaction_session_timeout", "0"),
     ]);
@@ -696,18 +700,19 @@ async fn the_claim_runs_without_jit_and_on_custom_plans() -> Result<()> {
         tx.commit().await?;
         assert_eq!(relay.run_once().await?.published, 1);
     }
-    let seen: Vec<(String, String, String, String)> =
+    let seen: Vec<(String, String, String, String, String)> =
         sqlx::query_as("SELECT DISTINCT * FROM seen_settings")
             .fetch_all(&db.pool)
             .await?;
-    let expected = ("off", "force_custom_plan", "5min", "30s");
+    let expected = ("off", "force_custom_plan", "off", "5min", "30s");
     assert_eq!(
         seen,
         vec![(
             expected.0.to_owned(),
             expected.1.to_owned(),
             expected.2.to_owned(),
-            expected.3.to_owned()
+            expected.3.to_owned(),
+            expected.4.to_owned()
         )]
     );
     let (generic, custom): (i64, i64) = sqlx::query_as(

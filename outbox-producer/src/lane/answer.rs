@@ -52,13 +52,8 @@ fn omitted(reason: String, bytes: Option<usize>, text: &str) -> String {
 fn deeper_than(value: &Value, limit: usize) -> bool {
     let mut stack = vec![(value, 0_usize)];
     while let Some((value, depth)) = stack.pop() {
-        let (Value::Array(_) | Value::Object(_)) = value else {
-            continue;
-        };
-        if depth == limit {
-            return true;
-        }
         match value {
+            Value::Array(_) | Value::Object(_) if depth == limit => return true,
             Value::Array(items) => stack.extend(items.iter().map(|child| (child, depth + 1))),
             Value::Object(map) => stack.extend(map.values().map(|child| (child, depth + 1))),
             _ => {}

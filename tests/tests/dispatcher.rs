@@ -269,6 +269,73 @@ async fn a_batch_on_a_small_table_holds_only_the_keys_it_claimed() -> Result<()>
     Ok(())
 }
 
+/// The claim took a key's advisory lock before asking whether an earlier row of the key holds
+/// it back, so every held key it walked past stayed locked until its batch committed: one
+/// lock per held key, in the server's shared lock table, for a batch that claimed one row.
+#[tokio::test]
+async fn a_claim_takes_no_lock_for_the_held_keys_it_passes() -> Result<()> {
+    let db = TestDb::new().await?;
+    let heads: Vec<NewEvent> = (0..40)
+        .map(|k| action(&format!("h{k}"), 0))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &heads).await?;
+    // Each head waits for its retry, an hour away: its key's later row is due but held.
+    sqlx::query(
+        "UPDATE outbox_events SET attempts = 1, last_error = 'HTTP 503', \
+                next_attempt_at = now() + interval '1 hour'",
+    )
+    .execute(&db.pool)
+    .await?;
+    let held: Vec<NewEvent> = (0..40)
+        .map(|k| action(&format!("h{k}"), 1))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &held).await?;
+    enqueue(&db, &[action("free", 0)?]).await?;
+    let started = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let executor = {
+        let (started, release) = (started.clone(), release.clone());
+        move |_action: Action| {
+            let (started, release) = (started.clone(), release.clone());
+            async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                let _permit = release.acquire().await;
+                Outcome::done(json!({ "ok": true }))
+            }
+        }
+    };
+    // Its own pool, named, so that the locks counted are its batch's alone.
+    let name = format!("claim-locks-{}", EventId::new());
+    let options = (*db.pool.connect_options()).clone().application_name(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await?;
+    let dispatcher = Dispatcher::new(pool, config(), executor)?;
+    let batch = tokio::spawn({
+        let dispatcher = dispatcher.clone();
+        async move { dispatcher.run_once().await }
+    });
+    eventually("the free key's call in flight", WAIT, || async {
+        Ok(started.load(Ordering::SeqCst) == 1)
+    })
+    .await?;
+    let locks: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND a.application_name = $1",
+    )
+    .bind(&name)
+    .fetch_one(&db.pool)
+    .await?;
+    release.add_permits(1);
+    assert_eq!(batch.await??.claimed, 1);
+    assert_eq!(
+        locks, 1,
+        "advisory locks held by a batch that claimed one row"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_destination_that_does_not_answer_charges_nothing_and_is_resumed() -> Result<()> {
     let db = TestDb::new().await?;

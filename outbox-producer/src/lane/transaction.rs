@@ -22,8 +22,10 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 /// Sorts off: the claim reads its rows in `seq` order from an index and stops at its batch.
 /// On a table of a few dozen rows Postgres sorted a sequential scan instead, which ran the
 /// claim's filter, and so its per-key advisory lock, on every due row: a batch of 32 held all
-/// 50 keys of the table until it committed, and the batches beside it claimed nothing. (The
-/// claim's last step still sorts its batch: no plan can do without it.)
+/// 50 keys of the table until it committed, and the batches beside it claimed nothing. A sort
+/// that no plan can do without (the claim's last step orders its batch) is still made, its
+/// cost estimate raised by the setting far past JIT's thresholds: JIT off is what keeps that
+/// from compiling it.
 ///
 /// A statement may wait that long (for a lock a migration holds, say) before it fails.
 ///

@@ -24,6 +24,11 @@ pub enum ProducerError {
         /// librdkafka's description.
         reason: String,
     },
+    /// A value stored in the outbox table cannot be read back: another writer's JSONB that
+    /// serde_json refuses (a number outside `f64`, nesting deeper than 127 levels). Only the
+    /// one row is concerned.
+    #[error("unreadable stored value: {0}")]
+    Unreadable(String),
     /// The relay configuration is not usable.
     #[error("invalid relay configuration: {0}")]
     Config(String),

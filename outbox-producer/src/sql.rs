@@ -88,8 +88,10 @@ pub(crate) struct RelaySql {
     pub(crate) mark_done: SqlStr,
     pub(crate) delete_published: SqlStr,
     pub(crate) record_failures: SqlStr,
-    /// Whether `record_failures` takes the rows' outcomes (`$6`): a dispatcher's does.
-    pub(crate) stores_outcomes: bool,
+    /// Whether the lane leases what it claims (a dispatcher's): the claim marks its rows with
+    /// a lease and commits, and `mark_done` and `record_failures` are fenced by that lease
+    /// and take the rows' outcomes and call counts.
+    pub(crate) leased: bool,
     /// The lane's rows, as a predicate on `topic` (for its gauges).
     pub(crate) lane_rows: String,
 }
@@ -146,6 +148,34 @@ impl RelaySql {
                   AND (h.status = 'quarantined' OR h.next_attempt_at > now()))"
             }
         };
+        // The relay's reads no column newer than its own migrations (a rolling upgrade).
+        let lease = match lane {
+            LaneRows::Relay => "",
+            LaneRows::Dispatch(_) => ", lease",
+        };
+        let claimed = format!(
+            "WITH claimed AS ( \
+                SELECT seq, id, aggregatetype, aggregateid, type, payload, headers, topic, \
+                       created_at, attempts{lease} \
+                FROM {table} e \
+                WHERE status = 'pending' AND {lane_e} AND next_attempt_at <= now() \
+                  AND CASE WHEN NOT EXISTS ( \
+                    SELECT 1 FROM {table} h \
+                    WHERE h.aggregateid = e.aggregateid AND h.aggregatetype = e.aggregatetype \
+                      AND h.seq < e.seq AND h.topic {mine} AND {held} \
+                    OFFSET 0) \
+                  THEN pg_try_advisory_xact_lock(hashtextextended( \
+                    '{table}'::regclass::oid::text{lock_ns} || '/' || e.aggregatetype || '/' || e.aggregateid, 0)) \
+                  ELSE false END \
+                ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)"
+        );
+        let kept = format!(
+            "NOT EXISTS ( \
+                SELECT 1 FROM {table} p \
+                WHERE p.aggregateid = c.aggregateid AND p.aggregatetype = c.aggregatetype \
+                  AND p.seq < c.seq AND p.topic {mine} AND {blocking} \
+                  AND p.seq NOT IN (SELECT seq FROM claimed) OFFSET 0)"
+        );
         Self {
             // Lock a batch of due pending rows that no waiting or blocking row of their key
             // holds back (filtered before the LIMIT: held-back rows never fill the batch and
@@ -172,31 +202,44 @@ impl RelaySql {
             // snapshot, returned the version before the update, and fetched every row twice
             // (0.34 vs 0.27 ms to plan, 0.19 vs 0.14 ms to run for 16 rows, EXPLAIN ANALYZE
             // on PostgreSQL 15, 2026-12-06).
-            claim: sql(format!(
-                "WITH claimed AS ( \
-                    SELECT seq, id, aggregatetype, aggregateid, type, payload, headers, topic, \
-                           created_at, attempts \
-                    FROM {table} e \
-                    WHERE status = 'pending' AND {lane_e} AND next_attempt_at <= now() \
-                      AND CASE WHEN NOT EXISTS ( \
-                        SELECT 1 FROM {table} h \
-                        WHERE h.aggregateid = e.aggregateid AND h.aggregatetype = e.aggregatetype \
-                          AND h.seq < e.seq AND h.topic {mine} AND {held} \
-                        OFFSET 0) \
-                      THEN pg_try_advisory_xact_lock(hashtextextended( \
-                        '{table}'::regclass::oid::text{lock_ns} || '/' || e.aggregatetype || '/' || e.aggregateid, 0)) \
-                      ELSE false END \
-                    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) \
-                 SELECT c.seq, c.id, c.aggregatetype, c.aggregateid, c.type, c.payload::text AS payload, \
-                        c.headers, c.topic, c.created_at, c.attempts \
-                 FROM claimed c \
-                 WHERE NOT EXISTS ( \
-                    SELECT 1 FROM {table} p \
-                    WHERE p.aggregateid = c.aggregateid AND p.aggregatetype = c.aggregatetype \
-                      AND p.seq < c.seq AND p.topic {mine} AND {blocking} \
-                      AND p.seq NOT IN (SELECT seq FROM claimed) OFFSET 0) \
-                 ORDER BY c.seq"
-            )),
+            claim: match lane {
+                LaneRows::Relay => sql(format!(
+                    "{claimed} \
+                     SELECT c.seq, c.id, c.aggregatetype, c.aggregateid, c.type, \
+                            c.payload::text AS payload, c.headers::text AS headers, c.topic, \
+                            c.created_at, c.attempts, 0 AS calls, NULL::uuid AS lease, \
+                            false AS orphaned \
+                     FROM claimed c WHERE {kept} ORDER BY c.seq"
+                )),
+                // The dispatcher's claim leases what it keeps and commits: `lease` ($2) marks
+                // the rows, `next_attempt_at` is the lease's end (a key's n-th row of the batch
+                // may wait for the calls before it: n call timeouts, $3 ms each, and a margin,
+                // $4 ms), and the attempt is charged now, so that a leased row holds its key's
+                // later rows back (the `held` forms above and the holding index, 0009), and an
+                // action whose dispatcher died mid-call counts that attempt. A row whose lease
+                // a dead claim left (`previous`) keeps that claim's charge instead of a second.
+                // `calls` counts calls that may have applied it; the record takes back what was
+                // not sent.
+                LaneRows::Dispatch(_) => sql(format!(
+                    "{claimed}, \
+                     kept AS ( \
+                        SELECT c.seq, c.lease AS previous, row_number() OVER \
+                               (PARTITION BY c.aggregatetype, c.aggregateid ORDER BY c.seq) AS position \
+                        FROM claimed c WHERE {kept}), \
+                     leased AS ( \
+                        UPDATE {table} AS e SET lease = $2, calls = e.calls + 1, \
+                               attempts = e.attempts + CASE WHEN k.previous IS NULL THEN 1 ELSE 0 END, \
+                               next_attempt_at = clock_timestamp() \
+                                   + (k.position * $3 + $4) * interval '1 millisecond' \
+                        FROM kept k WHERE e.seq = k.seq \
+                        RETURNING e.seq, e.id, e.aggregatetype, e.aggregateid, e.type, \
+                               e.payload::text AS payload, e.headers::text AS headers, e.topic, \
+                               e.created_at, \
+                               e.attempts - CASE WHEN k.previous IS NULL THEN 1 ELSE 0 END AS attempts, \
+                               e.calls - 1 AS calls, e.lease, k.previous IS NOT NULL AS orphaned) \
+                     SELECT * FROM leased ORDER BY seq"
+                )),
+            },
             // clock_timestamp(), not now(): the transaction began before the (possibly slow)
             // publish, and a retry time computed from its start could already be past.
             mark_published: sql(format!(
@@ -204,11 +247,12 @@ impl RelaySql {
                         attempts = attempts + 1, last_error = NULL \
                  WHERE seq = ANY($1)"
             )),
+            // A dispatcher's: the attempt was charged by the claim; fenced by the lease.
             mark_done: sql(format!(
                 "UPDATE {table} AS e SET status = 'published', published_at = clock_timestamp(), \
-                        attempts = e.attempts + 1, last_error = NULL, outcome = d.outcome::jsonb \
-                 FROM unnest($1::bigint[], $2::text[]) AS d(seq, outcome) \
-                 WHERE e.seq = d.seq"
+                        last_error = NULL, outcome = d.outcome::jsonb, lease = NULL \
+                 FROM unnest($1::bigint[], $2::text[], $3::uuid[]) AS d(seq, outcome, lease) \
+                 WHERE e.seq = d.seq AND e.lease = d.lease"
             )),
             delete_published: sql(format!("DELETE FROM {table} WHERE seq = ANY($1)")),
             // The relay's leaves `outcome` alone (it has none to store), so it also runs on
@@ -222,16 +266,21 @@ impl RelaySql {
                           AS f(seq, status, delay_ms, error, charge) \
                      WHERE e.seq = f.seq"
                 ),
+                // Fenced by the lease; `charge` takes back the claim's (0 or -1), `calls` the
+                // call that was not sent (0 or -1); a row released untried keeps its error.
                 LaneRows::Dispatch(_) => format!(
                     "UPDATE {table} AS e SET attempts = e.attempts + f.charge, status = f.status, \
                             next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
-                            last_error = f.error, outcome = f.outcome::jsonb \
-                     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[], $6::text[]) \
-                          AS f(seq, status, delay_ms, error, charge, outcome) \
-                     WHERE e.seq = f.seq"
+                            last_error = COALESCE(f.error, e.last_error), \
+                            outcome = COALESCE(f.outcome::jsonb, e.outcome), \
+                            calls = e.calls + f.calls, lease = NULL \
+                     FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[], \
+                                 $6::text[], $7::uuid[], $8::int[]) \
+                          AS f(seq, status, delay_ms, error, charge, outcome, lease, calls) \
+                     WHERE e.seq = f.seq AND e.lease = f.lease"
                 ),
             }),
-            stores_outcomes: matches!(lane, LaneRows::Dispatch(_)),
+            leased: matches!(lane, LaneRows::Dispatch(_)),
             lane_rows: format!("topic {mine}"),
         }
     }

@@ -38,7 +38,8 @@ impl Ledger {
         if let Some(answer) = applied.get(&action.idempotency_key()) {
             return answer.clone();
         }
-        let n = action.payload["n"].as_i64().unwrap_or(-1);
+        let payload: serde_json::Value = action.payload_as().unwrap_or_default();
+        let n = payload["n"].as_i64().unwrap_or(-1);
         self.order
             .lock()
             .expect("ledger")
@@ -439,7 +440,8 @@ async fn a_rejection_quarantines_that_action_alone_with_the_answer() -> Result<(
         if action.id == bad {
             Outcome::rejected("402 card declined", json!({ "error": "card_declined" }))
         } else {
-            Outcome::done(json!({ "n": action.payload["n"] }))
+            let payload: serde_json::Value = action.payload_as().unwrap_or_default();
+            Outcome::done(json!({ "n": payload["n"] }))
         }
     };
     let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
@@ -493,7 +495,10 @@ async fn timeouts_and_panics_are_retried_then_given_up() -> Result<()> {
         Ok(count_status(&db.pool, "quarantined").await? == 2)
     })
     .await?;
-    let Some(ActionState::GaveUp { reason }) = state(&db, ids[1]).await? else {
+    let Some(ActionState::Unknown {
+        last_error: reason, ..
+    }) = state(&db, ids[1]).await?
+    else {
         panic!("not given up");
     };
     assert!(reason.contains("careless executor"), "{reason}");

@@ -1,40 +1,32 @@
-//! The executor as a lane's destination: each key's actions called one after the other,
-//! keys side by side up to `max_in_flight`, every call bounded by `call_timeout`.
+//! Performing a key's leased actions: one call after the other, each bounded by
+//! `call_timeout`, paced by the destination's rate, and judged by the destination's health
+//! (whose failure it was); each action's verdict is handed on as soon as it is known.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 #[cfg(feature = "fault-injection")]
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::FutureExt;
-use futures::future::join_all;
-use tokio::sync::Semaphore;
+use serde_json::value::RawValue;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::health::{Blame, Health};
 use super::{Action, DispatcherConfig, Executor, Outcome};
-use crate::ProducerError;
-use crate::lane::{Destination, Failed, Failure, OutboxRow, Verdict, chains};
+use crate::lane::{Failed, Failure, OutboxRow, Verdict};
 
-/// Longest pause while no call gets an answer.
-const PAUSE_MAX: Duration = Duration::from_secs(30);
-
-/// While the destination does not answer: when to try again, and how many batches in a row
-/// got no answer.
-#[derive(Debug, Default)]
-struct Pause {
-    until: Option<Instant>,
-    batches: u32,
-    reason: Option<String>,
-}
+/// Where a key's verdicts go: the dispatcher's recorder.
+pub(crate) type Results = mpsc::UnboundedSender<(OutboxRow, Verdict)>;
 
 pub(crate) struct Calls<E> {
     executor: E,
     pub(super) config: DispatcherConfig,
-    in_flight: Semaphore,
-    pause: Mutex<Pause>,
+    /// One permit per key being performed (its calls run one at a time).
+    pub(super) in_flight: Arc<Semaphore>,
+    pub(super) health: Health,
     #[cfg(feature = "fault-injection")]
     crash_after_call: AtomicBool,
 }
@@ -49,12 +41,12 @@ enum Call {
 }
 
 impl<E: Executor> Calls<E> {
-    pub(super) fn new(executor: E, config: DispatcherConfig) -> Self {
+    pub(super) fn new(executor: E, config: DispatcherConfig, health: Health) -> Self {
         Self {
             executor,
-            in_flight: Semaphore::new(config.max_in_flight),
+            in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             config,
-            pause: Mutex::default(),
+            health,
             #[cfg(feature = "fault-injection")]
             crash_after_call: AtomicBool::new(false),
         }
@@ -65,98 +57,223 @@ impl<E: Executor> Calls<E> {
         self.crash_after_call.store(true, Ordering::SeqCst);
     }
 
-    fn pause(&self) -> std::sync::MutexGuard<'_, Pause> {
-        self.pause.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Performs a key's rows (leased, in sequence order) one after the other, and stops at
+    /// the first not done, or once the destination is down or paused, or at shutdown's end:
+    /// the rows not called then are released untried.
+    pub(super) async fn run_chain(
+        &self,
+        rows: Vec<OutboxRow>,
+        expired: &CancellationToken,
+        results: &Results,
+    ) {
+        let mut rows = rows.into_iter();
+        for row in rows.by_ref() {
+            let Some(verdict) = self.perform(&row, expired).await else {
+                // Recorded by nobody, as a crash there would: the lease runs out and the
+                // action is called again with the same key.
+                break;
+            };
+            let go_on = matches!(verdict, Verdict::Done(_))
+                && self.health.is_open()
+                && !expired.is_cancelled();
+            // A send fails only once the recorder is gone (the dispatcher stopped): the lease
+            // then runs out and the action is called again with the same key.
+            let _ = results.send((row, verdict));
+            if !go_on {
+                break;
+            }
+        }
+        for row in rows {
+            let _ = results.send((row, Verdict::Deferred));
+        }
     }
 
-    /// Calls the executor for `row`, bounded by `call_timeout`; `None` once `expired`.
-    async fn call(
-        &self,
-        row: &OutboxRow,
-        expired: &CancellationToken,
-    ) -> Option<Result<Call, Failed>> {
-        let payload = match serde_json::from_str(&row.payload) {
-            Ok(payload) => payload,
-            // The column is JSONB: a payload that does not parse is another writer's defect.
-            Err(e) => {
-                return Some(Err(Failed::new(
-                    Failure::Permanent,
-                    format!("payload: {e}"),
-                )));
-            }
+    fn action(&self, row: &OutboxRow) -> Result<Action, Failed> {
+        // Kept as their stored text: JSONB takes numbers and depths serde_json's `Value`
+        // refuses or rounds, and a row that cannot be read must fail alone.
+        let raw = |what: &str, text: &str| {
+            RawValue::from_string(text.to_owned()).map_err(|e| {
+                let mut failed = Failed::new(Failure::Permanent, format!("{what}: {e}"));
+                failed.unsent = true;
+                failed
+            })
         };
-        let action = Action {
+        Ok(Action {
             id: row.id,
             destination: self.config.destination.clone(),
             aggregate_type: row.aggregatetype.clone(),
             key: row.aggregateid.clone(),
             action_type: row.event_type.clone(),
-            payload,
-            headers: row.headers.0.clone(),
+            payload: raw("payload", &row.payload)?,
+            headers: raw("headers", &row.headers)?,
             created_at: row.created_at,
-            attempt: u32::try_from(row.attempts).unwrap_or(0),
+            attempt: u32::try_from(row.calls).unwrap_or(0),
+        })
+    }
+
+    /// Performs one row: `None` only for an injected crash.
+    async fn perform(&self, row: &OutboxRow, expired: &CancellationToken) -> Option<Verdict> {
+        let action = match self.action(row) {
+            Ok(action) => action,
+            Err(failed) => return Some(Verdict::Failed(failed)),
         };
-        let _permit = tokio::select! {
-            permit = self.in_flight.acquire() => permit.ok()?,
-            () = expired.cancelled() => return None,
+        let age = (chrono::Utc::now() - row.created_at)
+            .to_std()
+            .unwrap_or_default();
+        if age > self.config.max_age {
+            return Some(self.give_up(row, &action, "older than max_age").await);
+        }
+        if row.orphaned
+            && let Some(Outcome::Done(answer)) = self.verify(&action).await
+        {
+            // The dispatcher that leased it stopped during its call, which had applied it.
+            return Some(Verdict::Done(Some(answer)));
+        }
+        if expired.is_cancelled() {
+            return Some(Verdict::Deferred);
+        }
+        let started = tokio::select! {
+            started = self.health.start_call() => started,
+            () = expired.cancelled() => return Some(Verdict::Deferred),
         };
         let call = tokio::time::timeout(
             self.config.call_timeout,
             // Inside the async block, so that an executor that panics before it returns its
             // future is caught too.
-            AssertUnwindSafe(async { self.executor.execute(action).await }).catch_unwind(),
+            AssertUnwindSafe(async { self.executor.execute(action.clone()).await }).catch_unwind(),
         );
         // Dropping a call in flight at the end of the grace period may leave its effect
-        // applied and unrecorded: the action stays pending and is called again, same key.
-        tokio::select! {
-            called = call => Some(Ok(match called {
+        // applied and unrecorded: the action is released and called again, same key.
+        let call = tokio::select! {
+            called = call => match called {
                 Ok(Ok(outcome)) => Call::Answered(outcome),
                 Ok(Err(panic)) => Call::Panicked(panic_message(&*panic)),
                 Err(_elapsed) => Call::TimedOut,
-            })),
-            () = expired.cancelled() => None,
+            },
+            () = expired.cancelled() => return Some(Verdict::Unconfirmed),
+        };
+        #[cfg(feature = "fault-injection")]
+        if self.crash_after_call.swap(false, Ordering::SeqCst) {
+            return None;
         }
+        let verdict = self.judge(row, started, call);
+        Some(match verdict {
+            // Its own failure, and its last attempt: ask the destination before giving up.
+            Verdict::Failed(failed)
+                if failed.kind == Failure::Transient
+                    && u32::try_from(row.attempts).unwrap_or(0) + 1
+                        >= self.config.lane.max_attempts =>
+            {
+                match self.verify(&action).await {
+                    Some(Outcome::Done(answer)) => Verdict::Done(Some(answer)),
+                    _ => Verdict::Failed(failed),
+                }
+            }
+            verdict => verdict,
+        })
     }
 
-    /// Calls a key's rows one after the other; stops at the first not done, and before a
-    /// further call once every other key of the batch is done (`others` counts the chains
-    /// still running): the batch then commits, and the key's later rows go to the next one,
-    /// so a slow key's run of actions never holds back the record of the other keys.
-    async fn run_chain(
-        &self,
-        rows: &[OutboxRow],
-        chain: &[usize],
-        running: &Running,
-        expired: &CancellationToken,
-    ) -> Vec<(usize, Result<Call, Failed>)> {
-        let mut calls = Vec::new();
-        for &i in chain {
-            if !calls.is_empty() && alone_of_several(running) {
-                break;
+    /// What a call's result makes of its row, and what it tells of the destination.
+    fn judge(&self, row: &OutboxRow, started: Instant, call: Call) -> Verdict {
+        let health = &self.health;
+        let backoff_max = self.config.lane.backoff_max;
+        // A failure that every call of a failing destination gets: the action's only while
+        // the destination answers others; a wait asked for past `backoff_max` is charged
+        // nothing either way.
+        let shared = |reason: String, after: Option<Duration>| {
+            if let Some(after) = after {
+                health.wait_asked(after);
             }
-            let Some(call) = self.call(&rows[i], expired).await else {
-                break;
+            let blame = health.failed(started, &reason);
+            let kind = if blame == Blame::Action && after.is_none_or(|a| a <= backoff_max) {
+                Failure::Transient
+            } else {
+                Failure::Outage
             };
-            let done = matches!(call, Ok(Call::Answered(Outcome::Done(_))));
-            calls.push((i, call));
-            if !done {
-                break;
+            let mut failed = Failed::new(kind, reason);
+            failed.retry_after = after;
+            Verdict::Failed(failed)
+        };
+        match call {
+            Call::Answered(Outcome::Done(answer)) => {
+                health.succeeded();
+                Verdict::Done(Some(answer))
+            }
+            Call::Answered(Outcome::Rejected { reason, answer }) => {
+                health.succeeded();
+                let mut failed = Failed::new(Failure::Permanent, reason);
+                failed.answer = Some(answer);
+                Verdict::Failed(failed)
+            }
+            Call::Answered(Outcome::Retry { reason, after }) => shared(reason, after),
+            Call::TimedOut => shared(
+                format!(
+                    "no answer within call_timeout ({:?}): the outcome is unknown, the call is \
+                     made again with the same key",
+                    self.config.call_timeout
+                ),
+                None,
+            ),
+            Call::Answered(Outcome::Unavailable { reason }) => {
+                health.failed(started, &reason);
+                let mut failed = Failed::new(Failure::Outage, reason);
+                failed.unsent = true;
+                Verdict::Failed(failed)
+            }
+            Call::Answered(Outcome::RateLimited { reason, after }) => {
+                health.rate_limited(after);
+                let mut failed = Failed::new(Failure::Outage, reason);
+                failed.unsent = true;
+                failed.retry_after = after;
+                Verdict::Failed(failed)
+            }
+            Call::Answered(Outcome::NotSent { reason }) => {
+                let mut failed = Failed::new(Failure::Permanent, reason);
+                failed.unsent = true;
+                Verdict::Failed(failed)
+            }
+            Call::Panicked(message) => {
+                tracing::error!(event_id = %row.id, "the executor panicked");
+                Verdict::Failed(Failed::new(
+                    Failure::Transient,
+                    format!("the executor panicked: {message}"),
+                ))
             }
         }
-        running.left.fetch_sub(1, Ordering::SeqCst);
-        calls
     }
-}
 
-/// The chains of a batch: how many there are, and how many are still running.
-struct Running {
-    chains: usize,
-    left: AtomicUsize,
-}
+    /// Gives `row` up without calling it: done if the destination says its key was applied,
+    /// otherwise quarantined (the agent reads `NeverSent` if no call was ever made, `Unknown`
+    /// otherwise).
+    async fn give_up(&self, row: &OutboxRow, action: &Action, why: &str) -> Verdict {
+        if (row.calls > 0 || row.orphaned)
+            && let Some(Outcome::Done(answer)) = self.verify(action).await
+        {
+            return Verdict::Done(Some(answer));
+        }
+        let reason = format!(
+            "{why} ({:?}): not called again, {}",
+            self.config.max_age,
+            if row.calls > 0 || row.orphaned {
+                "an earlier call may have applied it"
+            } else {
+                "it was never sent"
+            }
+        );
+        let mut failed = Failed::new(Failure::Permanent, reason);
+        failed.unsent = true;
+        Verdict::Failed(failed)
+    }
 
-/// Whether every other chain of a batch of several is done.
-fn alone_of_several(running: &Running) -> bool {
-    running.chains > 1 && running.left.load(Ordering::SeqCst) == 1
+    /// The executor's [`Executor::verify`], bounded by `call_timeout`; `None` on a timeout or
+    /// a panic.
+    async fn verify(&self, action: &Action) -> Option<Outcome> {
+        let verify = AssertUnwindSafe(async { self.executor.verify(action).await }).catch_unwind();
+        match tokio::time::timeout(self.config.call_timeout, verify).await {
+            Ok(Ok(found)) => found,
+            Ok(Err(_)) | Err(_) => None,
+        }
+    }
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -165,134 +282,4 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".into())
-}
-
-impl<E: Executor> Destination for Calls<E> {
-    async fn deliver(
-        &self,
-        rows: &[OutboxRow],
-        expired: &CancellationToken,
-    ) -> Result<Vec<Verdict>, ProducerError> {
-        let chains = chains(rows);
-        let running = Running {
-            chains: chains.len(),
-            left: AtomicUsize::new(chains.len()),
-        };
-        let calls = join_all(
-            chains
-                .iter()
-                .map(|chain| self.run_chain(rows, chain, &running, expired)),
-        )
-        .await;
-        #[cfg(feature = "fault-injection")]
-        if self.crash_after_call.swap(false, Ordering::SeqCst) {
-            // Dropping the transaction rolls it back, exactly as a dead process would.
-            return Err(ProducerError::InjectedFault(
-                "crash after the call, before the record",
-            ));
-        }
-        let calls: Vec<_> = calls.into_iter().flatten().collect();
-        // Whether the destination answered anything in this batch. When it did not (every
-        // call unavailable or timed out), no row is charged: the failure is the
-        // destination's, and the dispatcher pauses as a whole.
-        let answered = calls.iter().any(|(_, call)| {
-            !matches!(
-                call,
-                Ok(Call::Answered(Outcome::Unavailable { .. }) | Call::TimedOut)
-            )
-        });
-        let mut verdicts: Vec<Option<Verdict>> = rows.iter().map(|_| None).collect();
-        let mut silence = None;
-        let outage = |reason: String| {
-            // Charged nothing; the row waits (holding its key) so that other keys' rows fill
-            // the next batches, however many of this key's rows are due.
-            let mut failed = Failed::new(Failure::Outage, reason);
-            failed.silent = !answered;
-            Verdict::Failed(failed)
-        };
-        for (i, call) in calls {
-            let verdict = match call {
-                Err(failed) => Verdict::Failed(failed),
-                Ok(Call::Answered(Outcome::Done(answer))) => Verdict::Done(Some(answer)),
-                Ok(Call::Answered(Outcome::Retry { reason, after })) => {
-                    let mut failed = Failed::new(Failure::Transient, reason);
-                    failed.retry_after = after;
-                    Verdict::Failed(failed)
-                }
-                Ok(Call::Answered(Outcome::Rejected { reason, answer })) => {
-                    let mut failed = Failed::new(Failure::Permanent, reason);
-                    failed.answer = Some(answer);
-                    Verdict::Failed(failed)
-                }
-                Ok(Call::Answered(Outcome::Unavailable { reason })) => {
-                    silence = Some(reason.clone());
-                    outage(reason)
-                }
-                Ok(Call::TimedOut) => {
-                    let reason = format!(
-                        "no answer within call_timeout ({:?}): the outcome is unknown, the call \
-                         is made again with the same key",
-                        self.config.call_timeout
-                    );
-                    if answered {
-                        Verdict::Failed(Failed::new(Failure::Transient, reason))
-                    } else {
-                        silence = Some(reason.clone());
-                        outage(reason)
-                    }
-                }
-                Ok(Call::Panicked(message)) => Verdict::Failed(Failed::new(
-                    Failure::Transient,
-                    format!("the executor panicked: {message}"),
-                )),
-            };
-            verdicts[i] = Some(verdict);
-        }
-        {
-            let mut pause = self.pause();
-            if answered {
-                *pause = Pause::default();
-            } else if let Some(reason) = silence {
-                pause.batches = pause.batches.saturating_add(1);
-                let wait = outbox_core::backoff(
-                    self.config.lane.backoff_base,
-                    self.config.lane.backoff_max.min(PAUSE_MAX),
-                    pause.batches - 1,
-                );
-                let until = Instant::now() + wait;
-                // Workers that found the destination silent together resume together.
-                pause.until = Some(pause.until.map_or(until, |u| u.max(until)));
-                pause.reason = Some(outbox_core::escape(&reason).to_string());
-            }
-        }
-        let unanswered = || {
-            if expired.is_cancelled() {
-                Verdict::Unconfirmed
-            } else {
-                Verdict::Deferred
-            }
-        };
-        Ok(verdicts
-            .into_iter()
-            .map(|v| v.unwrap_or_else(unanswered))
-            .collect())
-    }
-
-    async fn wait_until_answers(&self, shutdown: &CancellationToken) {
-        let until = self.pause().until;
-        if let Some(until) = until {
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = tokio::time::sleep_until(until) => {}
-            }
-        }
-    }
-
-    async fn finish(&self, _remaining: Duration) -> Result<(), ProducerError> {
-        Ok(())
-    }
-
-    fn last_error(&self) -> Option<String> {
-        self.pause().reason.clone()
-    }
 }

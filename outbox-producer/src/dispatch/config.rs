@@ -12,9 +12,8 @@ const MAX_BATCH_ANSWER_BYTES: usize = 512 << 20;
 /// Settings of a [`super::Dispatcher`].
 ///
 /// Claiming, retrying, quarantining, waking up and shutting down work as the relay's do, with
-/// the same settings ([`RelayConfig`], in [`Self::lane`]); a dispatcher's batches are smaller
-/// by default (32 rows), and several run side by side (`max_in_flight / batch_size`, rounded
-/// up, and one more), so that a slow call holds back the record of at most its own batch.
+/// the same settings ([`RelayConfig`], in [`Self::lane`]); a dispatcher claims at most 32
+/// actions at a time by default, and never more than it has free call slots.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct DispatcherConfig {
@@ -26,7 +25,7 @@ pub struct DispatcherConfig {
     /// (its outcome is unknown; it is made again with the same key).
     pub call_timeout: Duration,
     /// Longest answer (its JSON text) stored as the action's outcome. A longer one, or one
-    /// nested deeper than 128 levels, is stored as
+    /// nested deeper than 127 levels, is stored as
     /// `{"outbox_answer_omitted": {"reason": ..., "bytes": n, "start": "<its first KiB>"}}`
     /// (`bytes` null for a too deep one) and the action is still done (or rejected):
     /// PostgreSQL refuses JSONB values over 255 MiB (the binary form, several times the
@@ -35,6 +34,17 @@ pub struct DispatcherConfig {
     /// largest answer (a 1 MiB body, escaped); at most 32 MiB, and a batch's answers
     /// (`batch_size` times this) at most 512 MiB, under PostgreSQL's 1 GiB message limit.
     pub max_answer_bytes: usize,
+    /// Most calls per second to the destination, shared by this dispatcher's calls (a token
+    /// bucket); `None` (the default) for no limit of its own. Either way, a 429 slows the
+    /// dispatcher down (multiplicative decrease, then additive increase while calls succeed,
+    /// up to this limit), and its `Retry-After` holds every call back for as long as asked.
+    pub max_rate: Option<f64>,
+    /// Oldest action still called: past it (from the decision's commit, `created_at`), a
+    /// pending action is given up instead, so that no call is ever made after the API forgot
+    /// its idempotency key (Stripe keeps keys 24 hours). The agent then reads
+    /// [`super::ActionState::NeverSent`] if no call was ever made, or
+    /// [`super::ActionState::Unknown`]. 23 hours by default.
+    pub max_age: Duration,
     /// Claim, retry, quarantine, wake-up and shutdown settings, as the relay's.
     /// `after_publish` must stay [`AfterPublish::Mark`]: a done action keeps its outcome
     /// until it is pruned.
@@ -42,16 +52,34 @@ pub struct DispatcherConfig {
 }
 
 impl DispatcherConfig {
-    /// The defaults for `destination`: 64 calls in flight, 30 s per call, batches of 32, up to
-    /// 10 attempts with backoff from 500 ms to 5 minutes.
+    /// The defaults for `destination`: 64 calls in flight, 30 s per call, no rate limit of
+    /// its own, actions given up 23 hours after their decision, claims of up to 32, up to 10
+    /// attempts charged with backoff from 500 ms to 5 minutes, and
+    /// [`QuarantinePolicy::BlockKey`]: a key's later actions wait for an operator when one is
+    /// quarantined (a declined "charge" must not let its "ship" run).
     pub fn new(destination: impl Into<String>) -> Self {
         Self {
             destination: destination.into(),
             max_in_flight: 64,
             call_timeout: Duration::from_secs(30),
             max_answer_bytes: 8 << 20,
-            lane: RelayConfig::default().batch_size(32),
+            max_rate: None,
+            max_age: Duration::from_secs(23 * 3600),
+            lane: RelayConfig::default()
+                .batch_size(32)
+                .quarantine_policy(QuarantinePolicy::BlockKey),
         }
+    }
+
+    /// Sets [`Self::max_rate`].
+    pub fn max_rate(mut self, calls_per_second: f64) -> Self {
+        self.max_rate = Some(calls_per_second);
+        self
+    }
+    /// Sets [`Self::max_age`].
+    pub fn max_age(mut self, d: Duration) -> Self {
+        self.max_age = d;
+        self
     }
 
     /// Sets [`Self::max_in_flight`].
@@ -110,21 +138,9 @@ impl DispatcherConfig {
         self
     }
 
-    /// Batches run side by side: as many as `max_in_flight` calls fill, and one more, which
-    /// claims and records while the others call. Without it every batch's claim, record and
-    /// commit left its share of `max_in_flight` idle: at 20 ms per call, 64 in flight and
-    /// batches of 16, 2,175 actions/s (0.68 of 64 / 20 ms); with it 2,660/s (0.83), and two
-    /// or four more did no better (outbox-bench P9b, 2026-12-06).
-    ///
-    /// Batches of 32 (3 side by side at 64 in flight) rather than 16 (5): each batch's claim,
-    /// record and commit serve twice the actions, and a slow key's run no longer holds its
-    /// batch's record (the other keys commit without it): P9a 0.83-0.85 instead of
-    /// 0.74-0.82, P9b 0.85-0.86 instead of 0.84 (2026-12-06, runs of each alternated).
+    /// Connections a dispatcher holds besides LISTEN: one claims, one records.
     pub(crate) fn workers(&self) -> usize {
-        let batch = usize::try_from(self.lane.batch_size)
-            .unwrap_or(usize::MAX)
-            .max(1);
-        self.max_in_flight.div_ceil(batch).max(1) + 1
+        2
     }
 
     pub(crate) fn validate(&self) -> Result<String, crate::ProducerError> {
@@ -132,6 +148,15 @@ impl DispatcherConfig {
         let topic = outbox_core::wire::dispatch_topic(&self.destination)?;
         if self.max_in_flight == 0 {
             return bad("max_in_flight must be at least 1".into());
+        }
+        if self
+            .max_rate
+            .is_some_and(|rate| !rate.is_finite() || rate <= 0.0)
+        {
+            return bad("max_rate must be a positive number of calls per second".into());
+        }
+        if self.max_age.is_zero() {
+            return bad("max_age must be more than zero".into());
         }
         if self.call_timeout.is_zero() {
             return bad("call_timeout must be more than zero".into());

@@ -10,29 +10,46 @@
 //!
 //! # Delivery semantics
 //! - **At least once, effectively once by the key**: an action is marked done only after its
-//!   executor said [`Outcome::Done`], in the transaction that claimed it. A crash (or a
-//!   shutdown, or a timeout) between the call and that commit leaves the action pending, and
-//!   it is called again **with the same [`Action::idempotency_key`]**: a destination that
-//!   honours idempotency keys (payment APIs do) applies it once. One that does not may apply
-//!   it twice.
+//!   executor said [`Outcome::Done`]. A crash (or a shutdown, or a timeout) between the call
+//!   and that record leaves the action pending, and it is called again **with the same
+//!   [`Action::idempotency_key`]**: a destination that honours idempotency keys (payment
+//!   APIs do) applies it once. One that does not may apply it twice.
+//! - **No transaction across a call**: a claim leases its actions and commits; each answer is
+//!   recorded as it arrives (many per transaction), fenced by the lease. A dispatcher that
+//!   dies mid-call leaves its actions leased until `call_timeout` (times their place in the
+//!   key's run) and a margin of 10 s have passed; then another takes them over, asking the
+//!   executor's [`Executor::verify`] first.
 //! - **Order per key**: a key's (`aggregatetype`, `aggregateid`) actions are called one at a
 //!   time in commit order, with any number of dispatchers; different keys run side by side,
-//!   up to [`DispatcherConfig::max_in_flight`] calls. A key held back (waiting for a retry,
-//!   or quarantined under [`QuarantinePolicy::BlockKey`](crate::QuarantinePolicy)) never holds
-//!   back the others.
+//!   up to [`DispatcherConfig::max_in_flight`] calls. A slow call holds its own key and call
+//!   slot, nothing else. A key held back (waiting for a retry, or quarantined under
+//!   [`QuarantinePolicy::BlockKey`](crate::QuarantinePolicy), the dispatcher's default) never
+//!   holds back the others.
+//! - **Whose failure**: a failure every call gets (a 5xx, a timeout, no connection, 401/403)
+//!   is the destination's. A failed call is charged to its action (counted against
+//!   `max_attempts`) only if another call succeeded after it started; after three failures
+//!   in a row with none, the destination is **down**: nothing is charged, nothing more is
+//!   claimed, and one action at a time probes it (backoff up to 30 s) until a call succeeds.
+//!   A 429 ([`Outcome::RateLimited`]) slows every call down (and
+//!   [`DispatcherConfig::max_rate`] caps them), and its `Retry-After` holds every call back
+//!   for as long as asked, in full, charging nothing.
 //! - **Outcomes**: [`Outcome::Done`] stores the answer with the row ([`outcome`] reads it;
-//!   an answer over [`DispatcherConfig::max_answer_bytes`] or nested deeper than 128 levels
+//!   an answer over [`DispatcherConfig::max_answer_bytes`] or nested deeper than 127 levels
 //!   is stored as `{"outbox_answer_omitted": {"reason": ..., "bytes": n or null, "start":
-//!   ...}}`);
-//!   [`Outcome::Retry`] retries after a backoff (at least what the destination asked for),
-//!   counted against `max_attempts`, then quarantines; [`Outcome::Rejected`] quarantines at
-//!   once with the answer; [`Outcome::Unavailable`] charges nothing: when no call of a batch
-//!   got an answer the dispatcher pauses as a whole (backoff up to 30 s) and tries again.
-//!   A call is bounded by `call_timeout`, and a panic is caught: both count as a retry.
-//! - **A slow call** holds back the record of its own batch (`batch_size` rows, 32 by
-//!   default) until it ends, never the other batches: the dispatcher runs
-//!   `max_in_flight / batch_size` batches side by side, and one more that claims and records
-//!   while the others call (calls stay capped at `max_in_flight`).
+//!   ...}}`); [`Outcome::Retry`] retries after a backoff (at least what the destination asked
+//!   for); [`Outcome::Rejected`] quarantines at once with the answer; [`Outcome::NotSent`]
+//!   quarantines at once as never sent. A call is bounded by `call_timeout`, and a panic is
+//!   caught: a timeout counts as a retry, a panic as the action's own failure.
+//! - **Every action ends**: done, rejected, or given up after `max_attempts` charged
+//!   attempts or [`DispatcherConfig::max_age`] (23 h) after its decision, whichever first.
+//!   [`outcome`] then tells [`ActionState::NeverSent`] (no call could have applied it: safe
+//!   to decide again) from [`ActionState::Unknown`] (a call may have applied it: ask the API
+//!   with the key). Before giving up an action that was called, the dispatcher asks
+//!   [`Executor::verify`].
+//! - **Start-up**: [`Dispatcher::run`] first checks that the schema has every column it
+//!   writes and its role may write them ([`Dispatcher::check`]), and fails with a
+//!   [`ProducerError::Config`] naming what is missing instead of calling what it cannot
+//!   record.
 //!
 //! A relay and dispatchers serve one table side by side: the relay never claims rows whose
 //! topic is `dispatch:...`, a dispatcher only its own destination's. Order holds per lane (a
@@ -65,9 +82,12 @@
 mod action;
 mod calls;
 mod config;
+mod health;
 #[cfg(feature = "http")]
 pub mod http;
 mod outcome;
+mod preflight;
+mod run;
 
 use std::sync::Arc;
 
@@ -84,6 +104,7 @@ use crate::ProducerError;
 use crate::lane::{Lane, LaneMetrics, LaneRows};
 use crate::relay::BatchReport;
 use calls::Calls;
+use health::Health;
 
 /// Performs the actions of one destination with an [`Executor`]. Cheap to clone; run one or
 /// many (in one process or several): order per key holds either way.
@@ -130,7 +151,12 @@ impl<E: Executor> Dispatcher<E> {
         };
         let (lane_config, workers) = (config.lane.clone(), config.workers());
         let max_answer_bytes = config.max_answer_bytes;
-        let calls = Calls::new(executor, config);
+        let health = Health::new(
+            config.max_rate,
+            config.lane.backoff_base,
+            metrics.labels.clone(),
+        );
+        let calls = Calls::new(executor, config, health);
         let mut lane = Lane::new(
             pool,
             lane_config,
@@ -150,28 +176,68 @@ impl<E: Executor> Dispatcher<E> {
         &self.lane.destination.config
     }
 
-    /// Why the destination does not answer, while it does not (the last
-    /// [`Outcome::Unavailable`] reason, escaped).
+    /// Why the destination is down, while it is (the failure that took it down, escaped).
     pub fn last_error(&self) -> Option<String> {
-        use crate::lane::Destination;
-        self.lane.destination.last_error()
+        self.lane.destination.health.reason()
     }
 
-    /// Claims, performs and records one batch. Tests drive the dispatcher with this.
+    /// Whether the destination is up: `false` from the moment its calls all fail until one
+    /// succeeds (also the gauge `outbox_dispatch_destination_up`).
+    pub fn destination_up(&self) -> bool {
+        self.lane.destination.health.reason().is_none()
+    }
+
+    /// Checks that this dispatcher can record what it calls: the outbox table has every
+    /// column it writes (the migrations ran) and its role may read and write them. A
+    /// [`ProducerError::Config`] names what is missing. [`Self::run`] checks this first.
+    pub async fn check(&self) -> Result<(), ProducerError> {
+        let mut conn = self.lane.pool.acquire().await?;
+        preflight::check(&mut conn, &self.lane.config.tables.outbox).await
+    }
+
+    /// Claims up to `batch_size` actions, performs them and records what became of each.
+    /// Tests drive the dispatcher with this (it does not wait for a destination that is down).
     pub async fn run_once(&self) -> Result<BatchReport, ProducerError> {
-        self.lane.run_batch(true, &CancellationToken::new()).await
+        run::run_once(&self.lane).await
     }
 
-    /// Runs batches until `shutdown` is cancelled (see [`crate::Relay::run`]: the same loop),
-    /// `max_in_flight / batch_size` (and one more) side by side. Shutdown takes at most
-    /// `shutdown_timeout`: calls still in flight then are dropped and their actions stay
-    /// pending, to be called again with the same key.
+    /// Runs until `shutdown` is cancelled: claims as many actions as it has free call slots
+    /// (`max_in_flight`), leased and committed at once; performs each key's on a task of its
+    /// own; records each verdict as it arrives. While the destination is down it claims
+    /// nothing but one probe at a time. Wakes on a committing writer's `NOTIFY`, or every
+    /// `poll_interval`.
+    ///
+    /// Fails at once with [`ProducerError::Config`] if [`Self::check`] finds the schema or
+    /// the role unable to record an answer. Shutdown takes at most `shutdown_timeout`: calls
+    /// still in flight then are dropped and their actions released, to be called again with
+    /// the same key.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<(), ProducerError> {
-        self.lane.run(shutdown).await
+        let mut failures = 0_u32;
+        loop {
+            match self.check().await {
+                Ok(()) => break,
+                Err(error @ ProducerError::Config(_)) => return Err(error),
+                // The database is unreachable: try again, as a claim would.
+                Err(error) => {
+                    failures = failures.saturating_add(1);
+                    let delay = outbox_core::backoff(
+                        self.lane.config.backoff_base,
+                        std::time::Duration::from_secs(30),
+                        failures - 1,
+                    );
+                    tracing::warn!(%error, retry_in = ?delay, "dispatcher start-up check failed");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+        run::run(&self.lane, shutdown).await
     }
 
-    /// Makes the next batch fail after its calls and before their outcomes are recorded, as
-    /// a crash there would. For tests.
+    /// Makes the next call's result go unrecorded, as a crash between the call and its record
+    /// would: the action keeps its lease and is called again once the lease ends. For tests.
     #[cfg(feature = "fault-injection")]
     pub fn crash_after_next_call(&self) {
         self.lane.destination.crash_after_next_call();

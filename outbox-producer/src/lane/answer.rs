@@ -6,9 +6,9 @@
 
 use serde_json::{Value, json};
 
-/// Deepest nesting stored as it is: serde_json parses no deeper either, and it is far below
-/// what the smallest `max_stack_depth` parses.
-pub(crate) const MAX_DEPTH: usize = 128;
+/// Deepest nesting stored as it is: the deepest serde_json reads back (`outcome()`), and far
+/// below what the smallest `max_stack_depth` parses.
+pub(crate) const MAX_DEPTH: usize = 127;
 
 /// How much of an omitted answer's JSON text the marker keeps.
 const START_BYTES: usize = 1024;
@@ -122,7 +122,17 @@ mod tests {
             .expect("thread")
             .join()
             .expect("no stack overflow");
-        assert!(deep.contains("nested deeper than 128"), "{deep}");
+        assert!(deep.contains("nested deeper than 127"), "{deep}");
+    }
+
+    #[test]
+    fn every_answer_stored_reads_back() {
+        let deepest = storable(nested(MAX_DEPTH), usize::MAX);
+        assert!(serde_json::from_str::<Value>(&deepest).is_ok(), "{deepest}");
+        let deeper = storable(nested(MAX_DEPTH + 1), usize::MAX);
+        assert!(deeper.contains("outbox_answer_omitted"), "{deeper}");
+        // What serde_json refuses one level deeper: the limit is exactly its own.
+        assert!(serde_json::from_str::<Value>(&nested(MAX_DEPTH + 1).to_string()).is_err());
     }
 
     #[test]

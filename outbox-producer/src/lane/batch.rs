@@ -1,5 +1,7 @@
 //! One batch of a lane: claim, hand to the destination, record, commit.
 
+use sqlx::query::QueryAs;
+use sqlx::{Database, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 
 use super::{Destination, Lane, OutboxRow, Verdict, record, transaction};
@@ -15,28 +17,13 @@ impl<D: Destination> Lane<D> {
         deliver: bool,
         expired: &CancellationToken,
     ) -> Result<BatchReport, ProducerError> {
-        let mut tx = transaction::begin(&self.pool).await?;
+        let tx = transaction::begin(&self.pool).await?;
         // A named prepared statement (parsed once per connection), planned with its parameter
         // on every run: the transaction's `plan_cache_mode` keeps Postgres from switching it
         // to a generic plan after five runs, which scanned the backlog (18 s per batch at 10M
         // pending, bench P7).
-        let claimed = sqlx::query_as(self.sql.claim.clone())
-            .bind(i64::from(self.config.batch_size))
-            .fetch_all(&mut *tx)
-            .await;
-        let rows: Vec<OutboxRow> = match claimed {
-            Ok(rows) => rows,
-            Err(error) => {
-                if is_stale_statement(&error) {
-                    // A migration changed a column the claim returns: its prepared statement
-                    // no longer fits the table. Closed, so prepared again on the next batch
-                    // (closing a statement is allowed in the aborted transaction).
-                    let _ = sqlx::Connection::clear_cached_statements(&mut *tx).await;
-                }
-                let _ = tx.rollback().await;
-                return Err(error.into());
-            }
-        };
+        let query = sqlx::query_as(self.sql.claim.clone()).bind(i64::from(self.config.batch_size));
+        let (mut tx, rows) = claim_rows(tx, query).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(BatchReport::default());
@@ -72,6 +59,26 @@ impl<D: Destination> Lane<D> {
             "outbox batch"
         );
         Ok(report)
+    }
+}
+
+/// Runs a claim in `tx`; on failure, rolls `tx` back.
+pub(super) async fn claim_rows<'q>(
+    mut tx: Transaction<'static, Postgres>,
+    query: QueryAs<'q, Postgres, OutboxRow, <Postgres as Database>::Arguments>,
+) -> Result<(Transaction<'static, Postgres>, Vec<OutboxRow>), ProducerError> {
+    match query.fetch_all(&mut *tx).await {
+        Ok(rows) => Ok((tx, rows)),
+        Err(error) => {
+            if is_stale_statement(&error) {
+                // A migration changed a column the claim returns: its prepared statement
+                // no longer fits the table. Closed, so prepared again on the next batch
+                // (closing a statement is allowed in the aborted transaction).
+                let _ = sqlx::Connection::clear_cached_statements(&mut *tx).await;
+            }
+            let _ = tx.rollback().await;
+            Err(error.into())
+        }
     }
 }
 

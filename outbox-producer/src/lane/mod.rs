@@ -11,6 +11,7 @@
 mod answer;
 mod batch;
 mod grace;
+mod lease;
 mod record;
 mod row;
 mod run_loop;
@@ -23,6 +24,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use grace::Grace;
 pub(crate) use record::outage_wait;
 #[cfg(test)]
 pub(crate) use row::test_row;
@@ -57,7 +59,7 @@ pub(crate) enum Failure {
 }
 
 /// What became of one row of a batch.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Verdict {
     /// Performed (acknowledged by Kafka, done by the executor), with the destination's
     /// answer to store as the row's outcome.
@@ -74,7 +76,7 @@ pub(crate) enum Verdict {
 }
 
 /// A failed row.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Failed {
     pub(crate) kind: Failure,
     pub(crate) error: String,
@@ -166,7 +168,7 @@ impl<D> std::fmt::Debug for Lane<D> {
     }
 }
 
-impl<D: Destination> Lane<D> {
+impl<D> Lane<D> {
     /// Validates `config` and the pool's size (one connection per worker, one to LISTEN).
     pub(crate) fn new(
         pool: PgPool,

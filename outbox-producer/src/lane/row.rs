@@ -4,11 +4,11 @@ use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use outbox_core::EventId;
-use sqlx::types::Json;
 
-/// One claimed outbox row. `headers` is read as any JSON (the column allows any JSONB, and
-/// other writers share the table), so a malformed value fails its own row when it is sent,
-/// never the claim of the whole batch.
+/// One claimed outbox row. `payload` and `headers` are read as their JSON text and parsed
+/// per row: the column allows any JSONB (other writers share the table), including values
+/// serde_json refuses (`1e400`, nesting past 127 levels), and such a value must fail its own
+/// row when it is sent, never the claim of the whole batch.
 #[derive(Debug, sqlx::FromRow)]
 pub(crate) struct OutboxRow {
     pub(crate) seq: i64,
@@ -18,10 +18,18 @@ pub(crate) struct OutboxRow {
     #[sqlx(rename = "type")]
     pub(crate) event_type: String,
     pub(crate) payload: String,
-    pub(crate) headers: Json<serde_json::Value>,
+    pub(crate) headers: String,
     pub(crate) topic: String,
     pub(crate) created_at: DateTime<Utc>,
+    /// Attempts charged before this claim.
     pub(crate) attempts: i32,
+    /// Calls before this claim that may have applied it (always 0 for the relay's rows).
+    pub(crate) calls: i32,
+    /// The lease this claim took (a dispatcher's claim; `None` for the relay's).
+    pub(crate) lease: Option<uuid::Uuid>,
+    /// The row was leased by a claim that never recorded it (its dispatcher died or was cut
+    /// off mid-call): a call may have applied it.
+    pub(crate) orphaned: bool,
 }
 
 /// The batch's rows grouped by aggregate (`aggregatetype`, `aggregateid`), each group in
@@ -49,10 +57,13 @@ pub(crate) fn test_row(kind: &str, key: &str, topic: &str) -> OutboxRow {
         aggregateid: key.into(),
         event_type: "T".into(),
         payload: "{}".into(),
-        headers: Json(serde_json::json!({})),
+        headers: "{}".into(),
         topic: topic.into(),
         created_at: Utc::now(),
         attempts: 0,
+        calls: 0,
+        lease: None,
+        orphaned: false,
     }
 }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use sqlx::postgres::PgListener;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -40,30 +41,15 @@ impl<D: Destination> Lane<D> {
         // A fatal error of one worker stops the others.
         let stop = shutdown.child_token();
         let stats = tokio::spawn(Arc::clone(self).export_stats_until(stop.clone()));
-        // Held until the workers are done, so that a worker's `changed()` never fails.
-        let (wake, woken) = watch::channel(0_u64);
-        let wake = Arc::new(wake);
-        let listener = if self.config.listen {
-            // Listening before the first batch: a commit between that batch's claim and a
-            // later LISTEN would wake nobody until `poll_interval`.
-            let first = tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
-                listener = self.listen() => listener,
-            };
-            Some(tokio::spawn(Arc::clone(self).listen_until(
-                first,
-                Arc::clone(&wake),
-                stop.clone(),
-            )))
-        } else {
-            None
+        let Some(wake_ups) = self.wake_ups(&shutdown, &stop).await else {
+            return Ok(());
         };
         let results = join_all((0..self.workers).map(|_| {
             let (lane, stop, expired, woken) = (
                 Arc::clone(self),
                 stop.clone(),
                 grace.expired.clone(),
-                woken.clone(),
+                wake_ups.woken.clone(),
             );
             async move {
                 let result = lane.work(&stop, &expired, woken).await;
@@ -75,9 +61,7 @@ impl<D: Destination> Lane<D> {
         }))
         .await;
         stats.abort();
-        if let Some(listener) = listener {
-            listener.abort();
-        }
+        drop(wake_ups);
         results.into_iter().collect::<Result<Vec<()>, _>>()?;
         self.destination
             .finish(grace.remaining(self.config.shutdown_timeout))
@@ -175,6 +159,54 @@ impl<D: Destination> Lane<D> {
             }),
             () = deadline => None,
         }
+    }
+}
+
+/// A lane's wake-ups: a `NOTIFY` from a committing writer (or a reconnected listener).
+pub(crate) struct WakeUps {
+    pub(crate) woken: watch::Receiver<u64>,
+    /// Held as long as the receivers wait, so that `changed()` never fails.
+    _wake: Arc<watch::Sender<u64>>,
+    listener: Option<JoinHandle<()>>,
+}
+
+impl Drop for WakeUps {
+    fn drop(&mut self) {
+        if let Some(listener) = &self.listener {
+            listener.abort();
+        }
+    }
+}
+
+impl<D: Send + Sync + 'static> Lane<D> {
+    /// Starts listening (when `listen` is on) before the first batch: a commit between that
+    /// batch's claim and a later LISTEN would wake nobody until `poll_interval`. `None` if
+    /// `shutdown` came first.
+    pub(crate) async fn wake_ups(
+        self: &Arc<Self>,
+        shutdown: &CancellationToken,
+        stop: &CancellationToken,
+    ) -> Option<WakeUps> {
+        let (wake, woken) = watch::channel(0_u64);
+        let wake = Arc::new(wake);
+        let listener = if self.config.listen {
+            let first = tokio::select! {
+                () = shutdown.cancelled() => return None,
+                listener = self.listen() => listener,
+            };
+            Some(tokio::spawn(Arc::clone(self).listen_until(
+                first,
+                Arc::clone(&wake),
+                stop.clone(),
+            )))
+        } else {
+            None
+        };
+        Some(WakeUps {
+            woken,
+            _wake: wake,
+            listener,
+        })
     }
 
     /// Listens for the table's commit notifications and wakes the workers, reconnecting

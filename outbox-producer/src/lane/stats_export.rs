@@ -7,13 +7,13 @@ use tokio_util::sync::CancellationToken;
 
 use std::sync::Arc;
 
-use super::{Destination, Lane};
+use super::Lane;
 
 /// How often [`Lane::run`] refreshes the gauges.
 const STATS_INTERVAL: Duration = Duration::from_secs(5);
 
-impl<D: Destination> Lane<D> {
-    pub(super) async fn export_stats_until(self: Arc<Self>, shutdown: CancellationToken) {
+impl<D: Send + Sync + 'static> Lane<D> {
+    pub(crate) async fn export_stats_until(self: Arc<Self>, shutdown: CancellationToken) {
         loop {
             self.export_stats().await;
             tokio::select! {

@@ -103,6 +103,9 @@ pub struct BatchReport {
     /// The destination did not answer at all (no broker; no call answered): the batch's
     /// failures were the lane's, not its rows'.
     pub broker_unreachable: bool,
+    /// A dispatcher's results not recorded because their lease had passed to another
+    /// dispatcher (that one calls them again, with the same key).
+    pub lease_lost: usize,
 }
 
 /// Publishes committed outbox rows to Kafka. Cheap to clone; `Send + Sync`. Run one or many

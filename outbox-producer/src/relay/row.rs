@@ -8,6 +8,10 @@ use crate::lane::OutboxRow;
 /// Why a row cannot become a record under the wire contract: the row's own, permanent failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum RowDefect {
+    /// `headers` is JSONB that serde_json cannot read (a number outside `f64`, nesting deeper
+    /// than 127 levels).
+    #[error("headers cannot be read: {0}")]
+    HeadersUnreadable(String),
     /// `headers` is not a JSON object.
     #[error("headers must be a JSON object of strings, found a JSON {0}")]
     HeadersNotObject(&'static str),
@@ -35,8 +39,10 @@ impl OutboxRow {
     /// The Kafka headers of this row under the wire contract: `id`, `type`, then the
     /// application's headers.
     pub(crate) fn kafka_headers(&self) -> Result<OwnedHeaders, RowDefect> {
-        let serde_json::Value::Object(app) = &self.headers.0 else {
-            return Err(RowDefect::HeadersNotObject(json_kind(&self.headers.0)));
+        let headers: serde_json::Value = serde_json::from_str(&self.headers)
+            .map_err(|e| RowDefect::HeadersUnreadable(e.to_string()))?;
+        let serde_json::Value::Object(app) = &headers else {
+            return Err(RowDefect::HeadersNotObject(json_kind(&headers)));
         };
         let id = self.id.to_string();
         let mut headers = OwnedHeaders::new_with_capacity(2 + app.len())
@@ -69,11 +75,10 @@ mod tests {
     use super::*;
     use rdkafka::message::Headers;
     use serde_json::json;
-    use sqlx::types::Json;
 
     fn row(headers: serde_json::Value) -> OutboxRow {
         let mut row = crate::lane::test_row("order", "k", "t");
-        row.headers = Json(headers);
+        row.headers = headers.to_string();
         row
     }
 

@@ -1,0 +1,358 @@
+//! The destination's health: whose failure a failed call is, whether the destination is down
+//! (and when to probe it again), and how fast it may be called.
+//!
+//! The rule: a failure every call gets is the destination's, not the action's. A call that
+//! failed is charged to its action only if another call to the destination succeeded after it
+//! started (the destination answered others meanwhile). Without such a success, and after
+//! [`DOWN_AFTER`] failures in a row, the destination is down: nothing more is claimed until
+//! its pause ends, then one action at a time probes it, until a call succeeds.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Failures in a row, with no success since the first of them started, after which the
+/// destination is down.
+pub(crate) const DOWN_AFTER: u32 = 3;
+
+/// Longest pause between probes of a destination that is down.
+const PAUSE_MAX: Duration = Duration::from_secs(30);
+
+/// Slowest rate the adaptive limit goes down to, in calls per second.
+const MIN_RATE: f64 = 0.5;
+
+/// Multiplicative decrease on a 429: the sawtooth between this share of the destination's
+/// limit and the limit averages about 0.93 of it.
+const DECREASE: f64 = 0.85;
+
+/// Additive increase: this share of the rate the last 429 left, per second without one.
+const INCREASE_PER_SECOND: f64 = 0.05;
+
+/// Without `max_rate`, the adaptive limit is lifted after this long without a 429.
+const UNLIMITED_AFTER: Duration = Duration::from_secs(60);
+
+/// Whose failure a failed call was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Blame {
+    /// The action's own: the destination answered other calls meanwhile.
+    Action,
+    /// The destination's: no call succeeded since this one started.
+    Destination,
+}
+
+/// What the dispatcher may do now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// Claim and call as usual.
+    Open,
+    /// Down: call one action, to see whether the destination answers again.
+    Probe,
+    /// Call nothing before then (down, or asked to wait by a `Retry-After`).
+    PausedUntil(Instant),
+}
+
+#[derive(Debug)]
+struct State {
+    last_success: Option<Instant>,
+    failures_in_a_row: u32,
+    /// Set while the destination is down: since when, and how many probes failed.
+    down_since: Option<Instant>,
+    probes_failed: u32,
+    /// No call before then (a pause while down, or a wait the destination asked for).
+    paused_until: Option<Instant>,
+    reason: Option<String>,
+    /// The adaptive rate limit, calls per second (`None`: none).
+    rate: Option<f64>,
+    /// The next moment a call may start (the token bucket's theoretical arrival time).
+    next_call: Instant,
+    last_rate_limited: Option<Instant>,
+    rate_after_decrease: f64,
+    /// Calls started in the current one-second window, and in the last full one.
+    window_start: Instant,
+    window_calls: u32,
+    last_window_calls: u32,
+}
+
+/// The health and rate of one destination, shared by a dispatcher's calls.
+#[derive(Debug)]
+pub(crate) struct Health {
+    state: Mutex<State>,
+    /// `DispatcherConfig::max_rate`.
+    ceiling: Option<f64>,
+    backoff_base: Duration,
+    labels: Vec<(&'static str, String)>,
+}
+
+impl Health {
+    pub(crate) fn new(
+        max_rate: Option<f64>,
+        backoff_base: Duration,
+        labels: Vec<(&'static str, String)>,
+    ) -> Self {
+        let now = Instant::now();
+        let health = Self {
+            state: Mutex::new(State {
+                last_success: None,
+                failures_in_a_row: 0,
+                down_since: None,
+                probes_failed: 0,
+                paused_until: None,
+                reason: None,
+                rate: max_rate,
+                next_call: now,
+                last_rate_limited: None,
+                rate_after_decrease: max_rate.unwrap_or(0.0),
+                window_start: now,
+                window_calls: 0,
+                last_window_calls: 0,
+            }),
+            ceiling: max_rate,
+            backoff_base,
+            labels,
+        };
+        health.export(true);
+        health
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn export(&self, up: bool) {
+        metrics::gauge!("outbox_dispatch_destination_up", &self.labels)
+            .set(f64::from(u8::from(up)));
+    }
+
+    /// What the dispatcher may do now.
+    pub(crate) fn admission(&self) -> Admission {
+        let state = self.state();
+        let now = Instant::now();
+        match state.paused_until {
+            Some(until) if until > now => Admission::PausedUntil(until),
+            _ if state.down_since.is_some() => Admission::Probe,
+            _ => Admission::Open,
+        }
+    }
+
+    /// Whether the destination is down (or paused), so that a key's further calls wait.
+    pub(crate) fn is_open(&self) -> bool {
+        self.admission() == Admission::Open
+    }
+
+    /// Why the destination is down, while it is (escaped).
+    pub(crate) fn reason(&self) -> Option<String> {
+        let state = self.state();
+        state.down_since.and(state.reason.clone())
+    }
+
+    /// Waits for the rate limit, then returns when the call starts.
+    pub(crate) async fn start_call(&self) -> Instant {
+        let at = {
+            let mut state = self.state();
+            let now = Instant::now();
+            if now.duration_since(state.window_start) >= Duration::from_secs(1) {
+                state.last_window_calls = state.window_calls;
+                state.window_calls = 0;
+                state.window_start = now;
+            }
+            state.window_calls = state.window_calls.saturating_add(1);
+            match state.rate {
+                Some(rate) => {
+                    let at = state.next_call.max(now);
+                    state.next_call = at + Duration::from_secs_f64(1.0 / rate);
+                    at
+                }
+                None => now,
+            }
+        };
+        tokio::time::sleep_until(at).await;
+        Instant::now()
+    }
+
+    /// A call that the destination answered (done, or refused for the action's own reason).
+    pub(crate) fn succeeded(&self) {
+        let mut state = self.state();
+        let now = Instant::now();
+        state.last_success = Some(now);
+        state.failures_in_a_row = 0;
+        state.probes_failed = 0;
+        if let Some(since) = state.down_since.take() {
+            tracing::warn!(down_for = ?now.duration_since(since), "the destination answers again; dispatching resumes");
+            state.reason = None;
+            self.export(true);
+        }
+        if let Some(rate) = state.rate {
+            // Additive increase: `INCREASE_PER_SECOND` of the last decrease's rate per second,
+            // spread over the calls of that second.
+            let step = (state.rate_after_decrease * INCREASE_PER_SECOND).max(1.0) / rate;
+            let mut raised = rate + step;
+            if let Some(ceiling) = self.ceiling {
+                raised = raised.min(ceiling);
+            }
+            let quiet = state
+                .last_rate_limited
+                .is_none_or(|at| now.duration_since(at) >= UNLIMITED_AFTER);
+            state.rate = if self.ceiling.is_none() && quiet {
+                None
+            } else {
+                Some(raised)
+            };
+        }
+    }
+
+    /// A call that failed in a way every call of a failing destination does (a 5xx, a
+    /// timeout, no connection): whose failure it is.
+    pub(crate) fn failed(&self, started: Instant, reason: &str) -> Blame {
+        let mut state = self.state();
+        state.failures_in_a_row = state.failures_in_a_row.saturating_add(1);
+        if state.last_success.is_some_and(|at| at > started) {
+            return Blame::Action;
+        }
+        if state.down_since.is_some() {
+            // A failed probe: wait longer before the next.
+            state.probes_failed = state.probes_failed.saturating_add(1);
+            self.pause(&mut state, reason);
+        } else if state.failures_in_a_row >= DOWN_AFTER {
+            let now = Instant::now();
+            state.down_since = Some(now);
+            tracing::warn!(
+                failures = state.failures_in_a_row,
+                error = %outbox_core::escape(reason),
+                "the destination fails every call; it is down: actions wait uncharged, one probes it"
+            );
+            self.export(false);
+            self.pause(&mut state, reason);
+        }
+        Blame::Destination
+    }
+
+    fn pause(&self, state: &mut State, reason: &str) {
+        let wait = outbox_core::backoff(self.backoff_base, PAUSE_MAX, state.probes_failed);
+        let until = Instant::now() + wait;
+        state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
+        state.reason = Some(outbox_core::escape(reason).to_string());
+    }
+
+    /// The destination limits the rate (a 429): slow every call down, and call nothing before
+    /// `after`, when it asked.
+    pub(crate) fn rate_limited(&self, after: Option<Duration>) {
+        let mut state = self.state();
+        let now = Instant::now();
+        if let Some(after) = after {
+            let until = now + after;
+            state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
+        }
+        // One decrease per burst of 429s: the calls in flight when the first came back
+        // answer 429 too, and halving for each would stop the dispatcher.
+        let recent = state
+            .last_rate_limited
+            .is_some_and(|at| now.duration_since(at) < Duration::from_millis(200));
+        state.last_rate_limited = Some(now);
+        if recent {
+            return;
+        }
+        let current = state.rate.unwrap_or_else(|| {
+            let elapsed = now.duration_since(state.window_start).as_secs_f64();
+            let observed = f64::from(state.last_window_calls)
+                .max(f64::from(state.window_calls) / elapsed.max(0.05));
+            observed.max(MIN_RATE)
+        });
+        let rate = (current * DECREASE).max(MIN_RATE);
+        state.rate = Some(rate);
+        state.rate_after_decrease = rate;
+        tracing::debug!(
+            calls_per_second = rate,
+            "the destination limits the rate; slowing down"
+        );
+    }
+
+    /// The destination asked for a wait (`Retry-After` on a 5xx): call nothing before it.
+    pub(crate) fn wait_asked(&self, after: Duration) {
+        let mut state = self.state();
+        let until = Instant::now() + after;
+        state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// The current rate limit (calls per second), if any.
+    #[cfg(test)]
+    fn rate(&self) -> Option<f64> {
+        self.state().rate
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn health(max_rate: Option<f64>) -> Health {
+        Health::new(max_rate, Duration::from_millis(10), Vec::new())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_is_the_actions_only_if_another_call_succeeded_since_it_started() {
+        let h = health(None);
+        let started = h.start_call().await;
+        tokio::time::advance(Duration::from_millis(5)).await;
+        h.succeeded();
+        assert_eq!(h.failed(started, "503"), Blame::Action);
+        let later = h.start_call().await;
+        assert_eq!(h.failed(later, "503"), Blame::Destination);
+        assert_eq!(
+            h.admission(),
+            Admission::Open,
+            "one failure is not an outage"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_in_a_row_take_the_destination_down_until_a_call_succeeds() {
+        let h = health(None);
+        for _ in 0..DOWN_AFTER {
+            let started = h.start_call().await;
+            assert_eq!(h.failed(started, "503"), Blame::Destination);
+        }
+        assert!(matches!(h.admission(), Admission::PausedUntil(_)));
+        assert!(h.reason().is_some());
+        tokio::time::advance(PAUSE_MAX).await;
+        assert_eq!(h.admission(), Admission::Probe);
+        h.succeeded();
+        assert_eq!(h.admission(), Admission::Open);
+        assert_eq!(h.reason(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_429_slows_down_then_the_rate_climbs_back_to_the_ceiling() {
+        let h = health(Some(100.0));
+        h.rate_limited(None);
+        let slowed = h.rate().expect("a rate");
+        assert!((slowed - 85.0).abs() < 1e-9, "{slowed}");
+        // A burst of 429s from calls already in flight decreases once.
+        h.rate_limited(None);
+        assert_eq!(h.rate(), Some(slowed));
+        for _ in 0..10_000 {
+            h.succeeded();
+        }
+        assert_eq!(h.rate(), Some(100.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_after_pauses_the_whole_destination_in_full() {
+        let h = health(None);
+        h.rate_limited(Some(Duration::from_secs(3600)));
+        let Admission::PausedUntil(until) = h.admission() else {
+            panic!("paused");
+        };
+        assert!(until >= Instant::now() + Duration::from_secs(3599));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_rate_spaces_calls() {
+        let h = health(Some(10.0));
+        let t0 = Instant::now();
+        for _ in 0..5 {
+            h.start_call().await;
+        }
+        assert!(Instant::now().duration_since(t0) >= Duration::from_millis(400));
+    }
+}

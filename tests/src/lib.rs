@@ -20,6 +20,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 pub use outbox_core::{java_partition, murmur2};
+pub mod dispatch;
 mod java_producer;
 mod raw_record;
 mod roles;

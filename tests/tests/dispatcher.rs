@@ -4,87 +4,20 @@
 //! here are plain async functions over an in-memory ledger with the idempotency semantics of
 //! a payment API; `examples/tests` drives the HTTP executor against a real HTTP server.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use outbox_producer::dispatch::{
-    Action, ActionState, Dispatcher, DispatcherConfig, Outcome, outcome,
-};
-use outbox_producer::{EventId, NewEvent, Relay, RelayConfig, TableNames, producer_config};
+use outbox_producer::dispatch::{Action, ActionState, Dispatcher, DispatcherConfig, Outcome};
+use outbox_producer::{EventId, NewEvent, Relay, RelayConfig, producer_config};
+use outbox_tests::dispatch::{Ledger, action, config, dispatched, enqueue, state};
 use outbox_tests::{TestDb, count_status, eventually, kafka_bootstrap};
 use rand::Rng;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// What the destination applied: each idempotency key once, and each key's payloads `n` in
-/// the order they were applied.
-#[derive(Debug, Default)]
-struct Ledger {
-    calls: AtomicUsize,
-    applied: Mutex<HashMap<String, serde_json::Value>>,
-    order: Mutex<BTreeMap<String, Vec<i64>>>,
-}
-
-impl Ledger {
-    /// Applies `action` once per idempotency key; a repeat gets the first answer back.
-    fn apply(&self, action: &Action) -> serde_json::Value {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let mut applied = self.applied.lock().expect("ledger");
-        if let Some(answer) = applied.get(&action.idempotency_key()) {
-            return answer.clone();
-        }
-        let payload: serde_json::Value = action.payload_as().unwrap_or_default();
-        let n = payload["n"].as_i64().unwrap_or(-1);
-        self.order
-            .lock()
-            .expect("ledger")
-            .entry(action.key.clone())
-            .or_default()
-            .push(n);
-        let answer = json!({ "charge": format!("ch_{}", applied.len() + 1), "n": n });
-        applied.insert(action.idempotency_key(), answer.clone());
-        answer
-    }
-
-    fn charges(&self) -> usize {
-        self.applied.lock().expect("ledger").len()
-    }
-}
-
-fn action(key: &str, n: i64) -> Result<NewEvent> {
-    Ok(
-        NewEvent::new("task", key, "Charge", &json!({ "key": key, "n": n }))?
-            .for_dispatcher("billing")?,
-    )
-}
-
-async fn enqueue(db: &TestDb, events: &[NewEvent]) -> Result<Vec<EventId>> {
-    let mut tx = db.pool.begin().await?;
-    let ids = outbox_producer::enqueue_all(&mut tx, events).await?;
-    tx.commit().await?;
-    Ok(ids)
-}
-
-fn config() -> DispatcherConfig {
-    DispatcherConfig::new("billing")
-        .backoff(Duration::from_millis(10), Duration::from_millis(100))
-        .poll_interval(Duration::from_millis(50))
-        .shutdown_timeout(Duration::from_secs(5))
-}
-
-async fn state(db: &TestDb, id: EventId) -> Result<Option<ActionState>> {
-    let mut conn = db.pool.acquire().await?;
-    Ok(outcome(&mut conn, &TableNames::default(), id).await?)
-}
-
-async fn dispatched(db: &TestDb) -> Result<i64> {
-    count_status(&db.pool, "published").await
-}
 
 #[tokio::test]
 async fn several_dispatchers_perform_every_action_once_in_key_order() -> Result<()> {
@@ -183,10 +116,10 @@ async fn a_slow_call_holds_back_neither_other_keys_nor_other_batches() -> Result
         let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
         async move { dispatcher.run(shutdown).await }
     });
-    // Everything but the slow call's own batch (one other row at most) is done while the
-    // slow call is still in flight.
+    // Every other key is done while the slow call is still in flight: it holds its own key
+    // and call slot, nothing else (batches joined their calls, and one other row waited).
     eventually("fast keys done beside the slow call", WAIT, || async {
-        Ok(dispatched(&db).await? >= 59)
+        Ok(dispatched(&db).await? == 60)
     })
     .await?;
     assert!(matches!(
@@ -270,11 +203,11 @@ async fn a_batch_on_a_small_table_holds_only_the_keys_it_claimed() -> Result<()>
     Ok(())
 }
 
-/// The claim took a key's advisory lock before asking whether an earlier row of the key holds
-/// it back, so every held key it walked past stayed locked until its batch committed: one
-/// lock per held key, in the server's shared lock table, for a batch that claimed one row.
+/// A batch's transaction stayed open across its calls, holding its rows' locks and its keys'
+/// advisory locks (and vacuum, and any migration's lock) for as long as the slowest call.
+/// The claim now leases and commits: a call in flight holds no lock and no transaction.
 #[tokio::test]
-async fn a_claim_takes_no_lock_for_the_held_keys_it_passes() -> Result<()> {
+async fn a_call_in_flight_holds_no_lock_and_no_transaction() -> Result<()> {
     let db = TestDb::new().await?;
     let heads: Vec<NewEvent> = (0..40)
         .map(|k| action(&format!("h{k}"), 0))
@@ -321,9 +254,11 @@ async fn a_claim_takes_no_lock_for_the_held_keys_it_passes() -> Result<()> {
         Ok(started.load(Ordering::SeqCst) == 1)
     })
     .await?;
-    let locks: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
-         WHERE l.locktype = 'advisory' AND a.application_name = $1",
+    let (locks, in_transaction): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+                 WHERE a.application_name = $1 AND l.locktype IN ('advisory', 'tuple', 'transactionid')), \
+                (SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND xact_start IS NOT NULL)",
     )
     .bind(&name)
     .fetch_one(&db.pool)
@@ -331,8 +266,9 @@ async fn a_claim_takes_no_lock_for_the_held_keys_it_passes() -> Result<()> {
     release.add_permits(1);
     assert_eq!(batch.await??.claimed, 1);
     assert_eq!(
-        locks, 1,
-        "advisory locks held by a batch that claimed one row"
+        (locks, in_transaction),
+        (0, 0),
+        "locks and open transactions of a dispatcher whose call is in flight"
     );
     Ok(())
 }
@@ -450,8 +386,17 @@ async fn a_rejection_quarantines_that_action_alone_with_the_answer() -> Result<(
         (first.quarantined, first.published, first.deferred),
         (1, 1, 1)
     );
-    // Under the default policy the key's later action goes on.
-    dispatcher.run_once().await?;
+    // A dispatcher's default policy (BlockKey): the key's later action waits for an
+    // operator (a declined "charge" must not let its "ship" run).
+    assert_eq!(dispatcher.run_once().await?.claimed, 0);
+    assert_eq!(dispatched(&db).await?, 1);
+    // Under SkipQuarantined it goes on.
+    let skipping = Dispatcher::new(
+        db.pool.clone(),
+        config().quarantine_policy(outbox_producer::QuarantinePolicy::SkipQuarantined),
+        executor,
+    )?;
+    skipping.run_once().await?;
     assert_eq!(dispatched(&db).await?, 2);
     let Some(ActionState::Rejected { answer, reason }) = state(&db, bad).await? else {
         panic!("not rejected");
@@ -461,67 +406,242 @@ async fn a_rejection_quarantines_that_action_alone_with_the_answer() -> Result<(
     Ok(())
 }
 
+/// A timeout or a panic while the destination answers other calls is the action's own:
+/// charged, and given up after `max_attempts` as `Unknown` (its call may have applied).
 #[tokio::test]
-async fn timeouts_and_panics_are_retried_then_given_up() -> Result<()> {
+async fn a_timeout_while_others_answer_and_a_panic_are_charged_then_given_up() -> Result<()> {
     let db = TestDb::new().await?;
-    let ids = enqueue(&db, &[action("slow", 0)?, action("panics", 0)?]).await?;
-    let executor = |action: Action| async move {
-        if action.key == "panics" {
-            panic!("careless executor");
+    let ids = enqueue(
+        &db,
+        &[action("slow", 0)?, action("panics", 0)?, action("ok", 0)?],
+    )
+    .await?;
+    let slow_started = Arc::new(tokio::sync::Notify::new());
+    let executor = {
+        let slow_started = slow_started.clone();
+        move |action: Action| {
+            let slow_started = slow_started.clone();
+            async move {
+                match action.key.as_str() {
+                    "panics" => panic!("careless executor"),
+                    "slow" => {
+                        slow_started.notify_one();
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                    }
+                    // Answers once the slow call is under way: the destination answered
+                    // others while it hung.
+                    _ => slow_started.notified().await,
+                }
+                Outcome::done(json!({}))
+            }
         }
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-        Outcome::done(json!({}))
     };
     let dispatcher = Dispatcher::new(
         db.pool.clone(),
         config()
-            .call_timeout(Duration::from_millis(200))
-            .max_attempts(2)
-            .backoff(Duration::from_millis(1), Duration::from_millis(2)),
+            .call_timeout(Duration::from_millis(300))
+            .max_attempts(1),
         executor,
     )?;
     let report = dispatcher.run_once().await?;
-    assert_eq!(report.retried, 2, "{report:?}");
-    let Some(ActionState::Pending {
-        attempts: 1,
-        last_error: Some(e),
-    }) = state(&db, ids[0]).await?
-    else {
-        panic!("not retried");
-    };
-    assert!(e.contains("call_timeout"), "{e}");
-    eventually("both given up", WAIT, || async {
-        dispatcher.run_once().await?;
-        Ok(count_status(&db.pool, "quarantined").await? == 2)
-    })
-    .await?;
-    let Some(ActionState::Unknown {
-        last_error: reason, ..
-    }) = state(&db, ids[1]).await?
-    else {
-        panic!("not given up");
-    };
-    assert!(reason.contains("careless executor"), "{reason}");
+    assert_eq!((report.published, report.quarantined), (1, 2), "{report:?}");
+    for (id, said) in [(ids[0], "call_timeout"), (ids[1], "careless executor")] {
+        let Some(ActionState::Unknown {
+            attempts: 1,
+            last_error,
+        }) = state(&db, id).await?
+        else {
+            panic!("not given up as unknown");
+        };
+        assert!(last_error.contains(said), "{last_error}");
+    }
     Ok(())
 }
 
+/// A call that hangs on every try, with nothing else to call: the destination's failure,
+/// never charged; the action ends `Unknown` once `max_age` has passed, and is not called
+/// after it.
 #[tokio::test]
-async fn retry_after_is_honoured() -> Result<()> {
+async fn an_action_that_hangs_forever_ends_unknown_after_max_age() -> Result<()> {
     let db = TestDb::new().await?;
-    enqueue(&db, &[action("k", 0)?]).await?;
-    let executor = |_: Action| async { Outcome::retry_after("429", Duration::from_secs(40)) };
+    let ids = enqueue(&db, &[action("hangs", 0)?]).await?;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let executor = {
+        let calls = calls.clone();
+        move |_: Action| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Outcome::done(json!({}))
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .call_timeout(Duration::from_millis(100))
+            .max_attempts(1)
+            .max_age(Duration::from_secs(2)),
+        executor,
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    eventually("given up", WAIT, || async {
+        Ok(count_status(&db.pool, "quarantined").await? == 1)
+    })
+    .await?;
+    let made = calls.load(Ordering::SeqCst);
+    shutdown.cancel();
+    run.await??;
+    let Some(ActionState::Unknown {
+        attempts,
+        last_error,
+    }) = state(&db, ids[0]).await?
+    else {
+        panic!("not unknown");
+    };
+    assert!(
+        attempts >= 1 && made >= 1,
+        "{attempts} calls recorded, {made} made"
+    );
+    assert!(last_error.contains("max_age"), "{last_error}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        made,
+        "no call after giving up"
+    );
+    Ok(())
+}
+
+/// Refused before any call (by the executor, or too old for its first call): `NeverSent`, so
+/// the agent may decide again.
+#[tokio::test]
+async fn an_action_refused_before_any_call_is_never_sent() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("refused", 0)?, action("stale", 0)?]).await?;
+    sqlx::query("UPDATE outbox_events SET created_at = now() - interval '2 days' WHERE id = $1")
+        .bind(ids[1])
+        .execute(&db.pool)
+        .await?;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let executor = {
+        let calls = calls.clone();
+        move |_: Action| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Outcome::not_sent("plain http to a remote host") }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let report = dispatcher.run_once().await?;
+    assert_eq!(report.quarantined, 2, "{report:?}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the stale action is not called"
+    );
+    for (id, said) in [(ids[0], "plain http"), (ids[1], "never sent")] {
+        let Some(ActionState::NeverSent { reason }) = state(&db, id).await? else {
+            panic!("not never-sent");
+        };
+        assert!(reason.contains(said), "{reason}");
+    }
+    Ok(())
+}
+
+/// `Retry-After` is honoured in full (it was cut to `backoff_max`): a daily quota's hour
+/// is an hour, and charges nothing.
+#[tokio::test]
+async fn retry_after_is_honoured_in_full_and_charges_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?]).await?;
+    let executor = |_: Action| async {
+        Outcome::rate_limited("429 daily quota", Some(Duration::from_secs(3600)))
+    };
     let dispatcher = Dispatcher::new(
         db.pool.clone(),
         config().backoff(Duration::from_millis(1), Duration::from_secs(60)),
         executor,
     )?;
-    assert_eq!(dispatcher.run_once().await?.retried, 1);
+    assert_eq!(dispatcher.run_once().await?.waiting, 1);
     let wait: f64 = sqlx::query_scalar(
         "SELECT extract(epoch FROM next_attempt_at - now())::float8 FROM outbox_events",
     )
     .fetch_one(&db.pool)
     .await?;
-    assert!(wait > 35.0, "next attempt in {wait} s");
+    assert!(wait > 3590.0, "next attempt in {wait} s");
+    assert!(matches!(
+        state(&db, ids[0]).await?,
+        Some(ActionState::Pending { attempts: 0, .. })
+    ));
+    Ok(())
+}
+
+/// A 429's `Retry-After` holds back every call to the destination, not only its action's.
+#[tokio::test]
+async fn retry_after_holds_the_whole_destination_back() -> Result<()> {
+    let db = TestDb::new().await?;
+    let events: Vec<_> = (0..10)
+        .map(|k| action(&format!("k{k}"), 0))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &events).await?;
+    let asked = Duration::from_secs(10);
+    let first_429 = Arc::new(Mutex::new(None::<tokio::time::Instant>));
+    let after_429 = Arc::new(Mutex::new(Vec::new()));
+    let ledger = Arc::new(Ledger::default());
+    let executor = {
+        let (first_429, after_429, ledger) = (first_429.clone(), after_429.clone(), ledger.clone());
+        move |action: Action| {
+            let (first_429, after_429, ledger) =
+                (first_429.clone(), after_429.clone(), ledger.clone());
+            async move {
+                let now = tokio::time::Instant::now();
+                let mut first = first_429.lock().expect("lock");
+                match *first {
+                    None => {
+                        *first = Some(now);
+                        Outcome::rate_limited("429", Some(asked))
+                    }
+                    Some(_) => {
+                        after_429.lock().expect("lock").push(now);
+                        Outcome::done(ledger.apply(&action))
+                    }
+                }
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().max_in_flight(1).batch_size(1),
+        executor,
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    eventually("every action done", WAIT, || async {
+        Ok(dispatched(&db).await? == 10)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    let first = first_429.lock().expect("lock").expect("a 429");
+    let earliest = after_429
+        .lock()
+        .expect("lock")
+        .iter()
+        .min()
+        .copied()
+        .expect("calls after");
+    assert!(
+        earliest.duration_since(first) >= asked,
+        "called again {:?} after a 429 asking for {asked:?}",
+        earliest.duration_since(first)
+    );
+    assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
     Ok(())
 }
 
@@ -541,14 +661,23 @@ async fn a_crash_between_the_call_and_the_record_calls_again_with_the_same_key()
             }
         }
     };
-    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().call_timeout(Duration::from_millis(500)),
+        executor,
+    )?;
     dispatcher.crash_after_next_call();
-    assert!(dispatcher.run_once().await.is_err());
+    assert_eq!(dispatcher.run_once().await?.published, 0);
+    // Its lease holds it until the call timeout and the margin have passed.
     assert!(matches!(
         state(&db, ids[0]).await?,
-        Some(ActionState::Pending { attempts: 0, .. })
+        Some(ActionState::Pending { .. })
     ));
-    assert_eq!(dispatcher.run_once().await?.published, 1);
+    assert_eq!(dispatcher.run_once().await?.claimed, 0, "leased");
+    eventually("called again once its lease ended", WAIT, || async {
+        Ok(dispatcher.run_once().await?.published == 1)
+    })
+    .await?;
     let keys = keys.lock().expect("keys").clone();
     assert_eq!(
         keys,
@@ -733,7 +862,6 @@ async fn a_key_whose_calls_find_nobody_does_not_starve_the_keys_behind_it() -> R
         .backoff(Duration::from_millis(10), Duration::from_secs(20));
     let dispatcher = Dispatcher::new(db.pool.clone(), config, executor)?;
     let first = dispatcher.run_once().await?;
-    assert!(first.broker_unreachable, "{first:?}");
     assert_eq!((first.waiting, first.deferred), (1, 15), "{first:?}");
     let second = dispatcher.run_once().await?;
     assert_eq!(second.published, 5, "{second:?}");
@@ -749,7 +877,7 @@ async fn a_key_whose_calls_find_nobody_does_not_starve_the_keys_behind_it() -> R
 #[tokio::test]
 async fn calls_that_all_time_out_charge_nobody() -> Result<()> {
     let db = TestDb::new().await?;
-    let ids = enqueue(&db, &[action("a", 0)?, action("b", 0)?]).await?;
+    let ids = enqueue(&db, &[action("a", 0)?, action("b", 0)?, action("c", 0)?]).await?;
     let executor = |_: Action| async {
         tokio::time::sleep(Duration::from_secs(3600)).await;
         Outcome::done(json!({}))
@@ -763,7 +891,8 @@ async fn calls_that_all_time_out_charge_nobody() -> Result<()> {
     )?;
     let report = dispatcher.run_once().await?;
     assert!(report.broker_unreachable, "{report:?}");
-    assert_eq!((report.waiting, report.quarantined), (2, 0), "{report:?}");
+    assert_eq!((report.waiting, report.quarantined), (3, 0), "{report:?}");
+    assert!(!dispatcher.destination_up());
     assert!(matches!(
         state(&db, ids[0]).await?,
         Some(ActionState::Pending { attempts: 0, .. })
@@ -771,32 +900,51 @@ async fn calls_that_all_time_out_charge_nobody() -> Result<()> {
     Ok(())
 }
 
+/// Verdicts are recorded as they arrive: the keys claimed with a slow key are recorded while
+/// its call still runs (a batch's record waited for its slowest call).
 #[tokio::test]
-async fn a_slow_keys_run_of_actions_does_not_hold_the_record_of_its_batch() -> Result<()> {
+async fn a_slow_call_delays_the_record_of_no_other_key() -> Result<()> {
     let db = TestDb::new().await?;
     let mut events: Vec<_> = (0..5).map(|n| action("slow", n)).collect::<Result<_>>()?;
     for k in 0..3 {
         events.push(action(&format!("fast{k}"), 0)?);
     }
     enqueue(&db, &events).await?;
-    let executor = |action: Action| async move {
-        if action.key == "slow" {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let executor = {
+        let release = release.clone();
+        move |action: Action| {
+            let release = release.clone();
+            async move {
+                if action.key == "slow" {
+                    let _ = release.acquire().await.map(|p| p.forget());
+                }
+                Outcome::done(json!({}))
+            }
         }
-        Outcome::done(json!({}))
     };
     let dispatcher = Dispatcher::new(
         db.pool.clone(),
         config().max_in_flight(8).batch_size(8),
         executor,
     )?;
-    // The fast keys are recorded after one slow call, not after five.
-    let report = dispatcher.run_once().await?;
-    assert_eq!((report.published, report.deferred), (4, 4), "{report:?}");
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    eventually(
+        "the fast keys recorded beside the slow call",
+        WAIT,
+        || async { Ok(dispatched(&db).await? == 3) },
+    )
+    .await?;
+    release.add_permits(5);
     eventually("the slow key's run done", WAIT, || async {
-        dispatcher.run_once().await?;
         Ok(dispatched(&db).await? == 8)
     })
     .await?;
+    shutdown.cancel();
+    run.await??;
     Ok(())
 }

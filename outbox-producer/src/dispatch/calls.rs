@@ -14,7 +14,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::health::{Blame, Health};
+use super::health::{Admission, Blame, Health};
 use super::{Action, DispatcherConfig, Executor, Outcome};
 use crate::lane::{Failed, Failure, OutboxRow, Verdict};
 
@@ -129,7 +129,9 @@ impl<E: Executor> Calls<E> {
             // The dispatcher that leased it stopped during its call, which had applied it.
             return Some(Verdict::Done(Some(answer)));
         }
-        if expired.is_cancelled() {
+        // Released untried while the destination asked for a wait (another key's 429) or
+        // is between probes: calls already claimed must keep to it too.
+        if expired.is_cancelled() || matches!(self.health.admission(), Admission::PausedUntil(_)) {
             return Some(Verdict::Deferred);
         }
         let started = tokio::select! {

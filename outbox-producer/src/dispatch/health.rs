@@ -58,6 +58,8 @@ struct State {
     failures_in_a_row: u32,
     /// Set while the destination is down: since when, and how many probes failed.
     down_since: Option<Instant>,
+    /// While down: when the current probe was let through.
+    probe_since: Option<Instant>,
     probes_failed: u32,
     /// No call before then (a pause while down, or a wait the destination asked for).
     paused_until: Option<Instant>,
@@ -96,6 +98,7 @@ impl Health {
                 last_success: None,
                 failures_in_a_row: 0,
                 down_since: None,
+                probe_since: None,
                 probes_failed: 0,
                 paused_until: None,
                 reason: None,
@@ -133,6 +136,11 @@ impl Health {
             _ if state.down_since.is_some() => Admission::Probe,
             _ => Admission::Open,
         }
+    }
+
+    /// The dispatcher lets one call through to see whether the destination is back.
+    pub(crate) fn probing(&self) {
+        self.state().probe_since = Some(Instant::now());
     }
 
     /// Whether the destination is down (or paused), so that a key's further calls wait.
@@ -177,6 +185,7 @@ impl Health {
         state.last_success = Some(now);
         state.failures_in_a_row = 0;
         state.probes_failed = 0;
+        state.probe_since = None;
         if let Some(since) = state.down_since.take() {
             tracing::warn!(down_for = ?now.duration_since(since), "the destination answers again; dispatching resumes");
             state.reason = None;
@@ -210,9 +219,13 @@ impl Health {
             return Blame::Action;
         }
         if state.down_since.is_some() {
-            // A failed probe: wait longer before the next.
-            state.probes_failed = state.probes_failed.saturating_add(1);
-            self.pause(&mut state, reason);
+            // A failed probe waits longer before the next; the calls of keys already under way
+            // when the destination went down are no probes.
+            if state.probe_since.is_some_and(|probe| started >= probe) {
+                state.probe_since = None;
+                state.probes_failed = state.probes_failed.saturating_add(1);
+                self.pause(&mut state, reason);
+            }
         } else if state.failures_in_a_row >= DOWN_AFTER {
             let now = Instant::now();
             state.down_since = Some(now);
@@ -314,8 +327,27 @@ mod tests {
         }
         assert!(matches!(h.admission(), Admission::PausedUntil(_)));
         assert!(h.reason().is_some());
+        // Calls in flight when it went down fail too: they are no probes, and do not make
+        // the next probe wait longer.
+        let before = tokio::time::Instant::now() - Duration::from_millis(1);
+        let Admission::PausedUntil(first) = h.admission() else {
+            panic!("paused");
+        };
+        for _ in 0..20 {
+            h.failed(before, "503");
+        }
+        assert_eq!(h.admission(), Admission::PausedUntil(first));
         tokio::time::advance(PAUSE_MAX).await;
         assert_eq!(h.admission(), Admission::Probe);
+        // A failed probe waits longer before the next.
+        h.probing();
+        let probe = h.start_call().await;
+        h.failed(probe, "503");
+        let Admission::PausedUntil(next) = h.admission() else {
+            panic!("paused after a failed probe");
+        };
+        assert!(next > first);
+        tokio::time::advance(PAUSE_MAX).await;
         h.succeeded();
         assert_eq!(h.admission(), Admission::Open);
         assert_eq!(h.reason(), None);

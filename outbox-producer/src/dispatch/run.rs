@@ -145,7 +145,9 @@ pub(super) async fn run_once<E: Executor>(
     if rows.is_empty() {
         return Ok(BatchReport::default());
     }
-    lane.record_leased(&rows, verdicts).await
+    let mut report = lane.record_leased(&rows, verdicts).await?;
+    report.broker_unreachable = calls.health.reason().is_some();
+    Ok(report)
 }
 
 /// Runs until `shutdown`: see [`super::Dispatcher::run`].
@@ -202,6 +204,16 @@ pub(super) async fn run<E: Executor>(
                 Err(_) => break,
             },
         };
+        // The wait for a slot may have outlasted the destination's health (a 429 or an
+        // outage answered meanwhile).
+        let still = calls.health.admission();
+        if !(still == Admission::Open || (still == Admission::Probe && limit == 1)) {
+            drop(first);
+            continue;
+        }
+        if still == Admission::Probe {
+            calls.health.probing();
+        }
         let free = u32::try_from(1 + calls.in_flight.available_permits()).unwrap_or(u32::MAX);
         let n = limit.min(free);
         // A claim holds no transaction past its own statement, and is never dropped midway

@@ -1,0 +1,236 @@
+//! The dispatcher against what real APIs and real deployments do: an outage of the whole
+//! API, rows another writer stored that serde_json cannot read, numbers past `f64`, and a
+//! schema or role that cannot record what the dispatcher would call.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::Result;
+use outbox_producer::dispatch::{Action, Dispatcher, Outcome};
+use outbox_producer::{ProducerError, Relay, RelayConfig, producer_config};
+use outbox_tests::dispatch::{Ledger, action, config, dispatched, enqueue};
+use outbox_tests::{TestDb, count_status, eventually, kafka_bootstrap};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A load balancer answering 503 to every call for a while, with `max_attempts(3)`: every
+/// due action was charged an attempt per batch and quarantined (`GaveUp`) within seconds.
+/// The destination is down instead: nothing charged, probed until it answers, then all done.
+#[tokio::test]
+async fn a_whole_api_outage_quarantines_nothing_and_everything_is_done_after() -> Result<()> {
+    let db = TestDb::new().await?;
+    let events: Vec<_> = (0..40)
+        .map(|k| action(&format!("k{k}"), 0))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &events).await?;
+    let up = Arc::new(AtomicBool::new(false));
+    let refused = Arc::new(AtomicUsize::new(0));
+    let ledger = Arc::new(Ledger::default());
+    let executor = {
+        let (up, refused, ledger) = (up.clone(), refused.clone(), ledger.clone());
+        move |action: Action| {
+            let (up, refused, ledger) = (up.clone(), refused.clone(), ledger.clone());
+            async move {
+                if up.load(Ordering::SeqCst) {
+                    Outcome::done(ledger.apply(&action))
+                } else {
+                    refused.fetch_add(1, Ordering::SeqCst);
+                    Outcome::retry("HTTP 503 Service Unavailable: upstream connect error")
+                }
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .max_attempts(3)
+            .backoff(Duration::from_millis(10), Duration::from_millis(50)),
+        executor,
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    // Down, and probed again and again: past max_attempts for the probes' actions.
+    eventually("the destination down and probed", WAIT, || async {
+        Ok(!dispatcher.destination_up() && refused.load(Ordering::SeqCst) >= 40)
+    })
+    .await?;
+    assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
+    assert!(
+        dispatcher
+            .last_error()
+            .is_some_and(|e| e.contains("HTTP 503"))
+    );
+    up.store(true, Ordering::SeqCst);
+    eventually("every action done after the outage", WAIT, || async {
+        Ok(dispatched(&db).await? == 40)
+    })
+    .await?;
+    assert!(dispatcher.destination_up());
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
+    assert_eq!(ledger.charges(), 40);
+    Ok(())
+}
+
+/// Another writer's row whose `headers` JSONB serde_json refuses (`1e400`, nesting past 127)
+/// failed the claim's decoding for every batch: no row of the lane moved, relay included.
+/// Read as text and parsed per row, it fails alone.
+#[tokio::test]
+async fn headers_serde_json_cannot_read_fail_their_own_row_alone() -> Result<()> {
+    let db = TestDb::new().await?;
+    let topic = outbox_tests::random_topic(1).await?;
+    let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+    for (lane_topic, key) in [("dispatch:billing", "task"), (topic.as_str(), "event")] {
+        for (n, headers) in [r#"{"n":1e400}"#, &format!(r#"{{"d":{deep}}}"#), "{}"]
+            .iter()
+            .enumerate()
+        {
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, headers, topic) \
+                 VALUES (gen_random_uuid(), $1, $2, 'T', '{}', $3::jsonb, $4)",
+            )
+            .bind(key)
+            .bind(format!("{key}{n}"))
+            .bind(headers)
+            .bind(lane_topic)
+            .execute(&db.pool)
+            .await?;
+        }
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let executor = {
+        let seen = seen.clone();
+        move |action: Action| {
+            seen.lock()
+                .expect("lock")
+                .push(action.headers.get().to_owned());
+            async { Outcome::done(json!({})) }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let report = dispatcher.run_once().await?;
+    // The executor gets the headers as stored (JSONB writes 1e400 out in full), whatever
+    // serde_json makes of them.
+    assert_eq!(report.published, 3, "{report:?}");
+    assert!(
+        seen.lock()
+            .expect("lock")
+            .iter()
+            .any(|h| h.contains(&format!("1{}", "0".repeat(400)))),
+        "{seen:?}"
+    );
+    let relay = Relay::new(
+        db.pool.clone(),
+        &producer_config(&kafka_bootstrap()),
+        RelayConfig::default(),
+    )?;
+    let report = relay.run_once().await?;
+    assert_eq!((report.published, report.quarantined), (1, 2), "{report:?}");
+    let reasons: Vec<String> = sqlx::query_scalar(
+        "SELECT last_error FROM outbox_events WHERE status = 'quarantined' ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert!(
+        reasons.iter().all(|r| r.contains("headers cannot be read")),
+        "{reasons:?}"
+    );
+    Ok(())
+}
+
+/// A payload's numbers reached the API re-serialised through `serde_json::Value`:
+/// `100000000000000000001` as `1e20`.
+#[tokio::test]
+async fn a_payload_reaches_the_executor_as_stored_digit_for_digit() -> Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic) \
+         VALUES (gen_random_uuid(), 'task', 'k', 'Charge', \
+                 '{\"cents\": 100000000000000000001, \"rate\": 0.1000000000000000000001}', \
+                 'dispatch:billing')",
+    )
+    .execute(&db.pool)
+    .await?;
+    let seen = Arc::new(std::sync::Mutex::new(String::new()));
+    let executor = {
+        let seen = seen.clone();
+        move |action: Action| {
+            *seen.lock().expect("lock") = action.payload.get().to_owned();
+            async { Outcome::done(json!({})) }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    assert_eq!(dispatcher.run_once().await?.published, 1);
+    let payload = seen.lock().expect("lock").clone();
+    assert!(payload.contains("100000000000000000001"), "{payload}");
+    assert!(payload.contains("0.1000000000000000000001"), "{payload}");
+    Ok(())
+}
+
+/// A dispatcher on a schema without the lease columns (migration 0014 not run) called every
+/// action and failed to record it, forever: it refuses to start instead, naming what is
+/// missing, before any call.
+#[tokio::test]
+async fn a_dispatcher_that_cannot_record_refuses_to_start_before_any_call() -> Result<()> {
+    let db = TestDb::new().await?;
+    enqueue(&db, &[action("k", 0)?]).await?;
+    sqlx::query("ALTER TABLE outbox_events DROP COLUMN calls, DROP COLUMN outcome")
+        .execute(&db.pool)
+        .await?;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let executor = {
+        let calls = calls.clone();
+        move |_: Action| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Outcome::done(json!({})) }
+        }
+    };
+    let dispatcher = Dispatcher::new(db.pool.clone(), config(), executor)?;
+    let refused = dispatcher.run(CancellationToken::new()).await;
+    let Err(ProducerError::Config(message)) = refused else {
+        panic!("started: {refused:?}");
+    };
+    assert!(
+        message.contains("calls") && message.contains("outcome") && message.contains("migrat"),
+        "{message}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    Ok(())
+}
+
+/// The same for a role whose grants omit a column the dispatcher writes.
+#[tokio::test]
+async fn a_dispatcher_whose_role_cannot_write_its_columns_refuses_to_start() -> Result<()> {
+    let roles = outbox_tests::Roles::new().await?;
+    let (name, table) = (&roles.relay.name, format!("{}.outbox_events", roles.schema));
+    roles
+        .as_admin(&format!(
+            "REVOKE UPDATE ON {table} FROM {name}; \
+             GRANT UPDATE (status, published_at, attempts, next_attempt_at, last_error, lease, \
+                           calls) ON {table} TO {name}"
+        ))
+        .await?;
+    let pool = roles.pool(&roles.relay).await?;
+    let dispatcher = Dispatcher::new(pool.clone(), config(), |_: Action| async {
+        Outcome::done(json!({}))
+    })?;
+    let checked = dispatcher.check().await;
+    let Err(ProducerError::Config(message)) = checked else {
+        panic!("passed: {checked:?}");
+    };
+    assert!(
+        message.contains("UPDATE (outcome)") && message.contains("grant"),
+        "{message}"
+    );
+    drop(dispatcher);
+    pool.close().await;
+    roles.drop_all().await?;
+    Ok(())
+}

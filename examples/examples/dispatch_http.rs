@@ -30,7 +30,8 @@ async fn main() -> Result<()> {
     let id = outbox_producer::enqueue(&mut tx, &action).await?;
     tx.commit().await?;
 
-    let executor = HttpExecutor::post_json(reqwest::Client::new(), billing.charges_url().parse()?);
+    let executor =
+        HttpExecutor::post_json(reqwest::Client::builder(), billing.charges_url().parse()?)?;
     let config = DispatcherConfig::new("billing").call_timeout(Duration::from_secs(5));
     let dispatcher = Dispatcher::new(pool.clone(), config, executor)?;
     let shutdown = CancellationToken::new();

@@ -1,22 +1,26 @@
 //! The HTTP executor against real servers on 127.0.0.1 (the billing API, a server answering
-//! any status, raw TCP servers that cut the answer), and a dispatcher with it against the
+//! any status, servers that redirect and servers that record what reaches them, raw TCP
+//! servers that cut the answer or stand in for a proxy), and a dispatcher with it against the
 //! billing API on the real PostgreSQL.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, bail, ensure};
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::any;
+use axum::routing::{self, any, get};
 use outbox_examples::billing_api::{BillingApi, Charge};
 use outbox_producer::dispatch::http::MAX_BODY;
 use outbox_producer::dispatch::{
     self, Action, ActionState, Dispatcher, DispatcherConfig, Executor, HttpExecutor, Outcome,
 };
-use outbox_producer::{EventId, NewEvent, Outbox, TableNames};
+use outbox_producer::{EventId, NewEvent, Outbox, ProducerError, TableNames};
 use outbox_tests::{TestDb, eventually};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,12 +29,16 @@ use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-fn client() -> reqwest::Client {
+/// The settings of the executors' clients.
+fn builder() -> reqwest::ClientBuilder {
     reqwest::Client::builder()
         .no_proxy()
         .connect_timeout(Duration::from_secs(2))
-        .build()
-        .expect("a reqwest client")
+}
+
+/// A client for the tests' own requests.
+fn client() -> reqwest::Client {
+    builder().build().expect("a reqwest client")
 }
 
 fn url(s: &str) -> reqwest::Url {
@@ -53,6 +61,23 @@ async fn state(db: &TestDb, id: EventId) -> Result<Option<ActionState>> {
 async fn an_action(payload: Value) -> Result<Action> {
     let db = TestDb::new().await?;
     enqueue(&db, "INV-1", &payload).await?;
+    claim_one(&db).await
+}
+
+/// An action whose stored payload is `json`, JSON that serde_json's `Value` cannot hold (a
+/// number past `u64` and `f64`'s digits): written by SQL, as another writer would.
+async fn an_action_stored(json: &str) -> Result<Action> {
+    let db = TestDb::new().await?;
+    let id = enqueue(&db, "INV-1", &json!({})).await?;
+    sqlx::query("UPDATE outbox_events SET payload = $1::jsonb WHERE id = $2::uuid")
+        .bind(json)
+        .bind(id.to_string())
+        .execute(&db.pool)
+        .await?;
+    claim_one(&db).await
+}
+
+async fn claim_one(db: &TestDb) -> Result<Action> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let keep = move |action: Action| {
         let tx = tx.clone();
@@ -121,6 +146,19 @@ async fn answer(
                 .into_response()
         }
         "big" => (status, "x".repeat(MAX_BODY + 4096)).into_response(),
+        // A server that quotes the credentials it refused.
+        "echo" => (
+            status,
+            [(header::WWW_AUTHENTICATE, SECRET_HEADER.to_owned())],
+            format!(
+                "refused: {}",
+                headers
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("no credentials")
+            ),
+        )
+            .into_response(),
         "stall" => {
             tokio::time::sleep(Duration::from_secs(3600)).await;
             status.into_response()
@@ -146,7 +184,7 @@ async fn post(executor: &HttpExecutor, action: &Action) -> Outcome {
 }
 
 fn post_to(base: &str, path: &str) -> HttpExecutor {
-    HttpExecutor::post_json(client(), url(&format!("{base}{path}")))
+    HttpExecutor::post_json(builder(), url(&format!("{base}{path}"))).expect("an executor")
 }
 
 #[tokio::test]
@@ -161,7 +199,7 @@ async fn statuses_map_to_outcomes() -> Result<()> {
             "{code}: {outcome:?}"
         );
     }
-    for code in [408, 409, 425, 429, 500, 502, 503, 504] {
+    for code in [408, 409, 425, 500, 502, 503, 504] {
         let outcome = post(&post_to(&base, &format!("/{code}/text")), &action).await;
         let Outcome::Retry { reason, after } = &outcome else {
             bail!("{code} is retried: {outcome:?}");
@@ -176,7 +214,20 @@ async fn statuses_map_to_outcomes() -> Result<()> {
             "{code}: the reason names the status and quotes the body: {reason}"
         );
     }
-    for code in [400, 401, 402, 403, 404, 410, 422] {
+    let outcome = post(&post_to(&base, "/429/text"), &action).await;
+    ensure!(
+        outcome == Outcome::rate_limited("HTTP 429 Too Many Requests: plain 429", None),
+        "{outcome:?}"
+    );
+    for code in [401, 403, 407] {
+        let outcome = post(&post_to(&base, &format!("/{code}/json")), &action).await;
+        ensure!(
+            matches!(&outcome, Outcome::Unavailable { reason }
+                if reason.starts_with(&format!("HTTP {code} "))),
+            "{code}: {outcome:?}"
+        );
+    }
+    for code in [400, 402, 404, 410, 422] {
         let outcome = post(&post_to(&base, &format!("/{code}/json")), &action).await;
         let Outcome::Rejected { reason, answer } = &outcome else {
             bail!("{code} is rejected: {outcome:?}");
@@ -184,24 +235,23 @@ async fn statuses_map_to_outcomes() -> Result<()> {
         ensure!(*answer == json!({ "code": code }), "{code}: {answer}");
         ensure!(reason.starts_with(&format!("HTTP {code} ")), "{reason}");
     }
-    // A redirect the client does not follow is an answer retrying cannot change.
-    let no_redirects = reqwest::Client::builder()
-        .no_proxy()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()?;
+    // A redirect is an answer retrying cannot change (not followed: see the redirect tests).
     for code in [301, 302, 307] {
-        let executor =
-            HttpExecutor::post_json(no_redirects.clone(), url(&format!("{base}/{code}/empty")));
-        let outcome = post(&executor, &action).await;
+        let outcome = post(&post_to(&base, &format!("/{code}/empty")), &action).await;
         ensure!(
             matches!(&outcome, Outcome::Rejected { answer, reason }
-                if *answer == json!({ "status": code }) && reason.contains("not followed")),
+                if *answer == json!({ "status": code, "location": null })
+                    && reason.contains("not followed")),
             "{code}: {outcome:?}"
         );
     }
     // Every request carried the action's key, once.
     let keys = seen.keys();
-    ensure!(keys.len() == 3 + 8 + 7 + 3, "{} requests", keys.len());
+    ensure!(
+        keys.len() == 3 + 7 + 1 + 3 + 5 + 3,
+        "{} requests",
+        keys.len()
+    );
     ensure!(
         keys.iter().all(|k| *k == [action.idempotency_key()]),
         "keys sent: {keys:?}"
@@ -225,9 +275,9 @@ async fn retry_after_in_seconds_or_as_a_date() -> Result<()> {
         "no header value in a reason"
     );
 
-    let outcome = post(&post_to(&base, "/429/date"), &action).await;
+    let outcome = post(&post_to(&base, "/503/date"), &action).await;
     let Outcome::Retry { after, .. } = &outcome else {
-        bail!("a 429 is retried: {outcome:?}");
+        bail!("a 503 is retried: {outcome:?}");
     };
     // An HTTP date has whole seconds; the answer was made a moment ago.
     let after = after.context("Retry-After as a date gives a wait")?;
@@ -296,15 +346,17 @@ async fn bodies_json_text_empty_and_cut_at_1_mib() -> Result<()> {
 async fn the_idempotency_key_is_the_event_id_whatever_the_builder_set() -> Result<()> {
     let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
     let (base, seen) = answer_server().await?;
-    let builder = client();
     let target = url(&format!("{base}/200/json"));
-    let executor = HttpExecutor::new(client(), move |action: &Action| {
-        builder
-            .put(target.clone())
-            .header("Idempotency-Key", "set-by-the-builder")
-            .header("Idempotency-Key", "and-another")
-            .json(&action.payload)
-    });
+    let executor = HttpExecutor::new(
+        builder(),
+        move |client: &reqwest::Client, action: &Action| {
+            client
+                .put(target.clone())
+                .header("Idempotency-Key", "set-by-the-builder")
+                .header("Idempotency-Key", "and-another")
+                .json(&action.payload)
+        },
+    )?;
     let outcome = post(&executor, &action).await;
     ensure!(
         outcome == Outcome::done(json!({ "code": 200 })),
@@ -370,7 +422,7 @@ async fn a_request_sent_without_an_answer_is_retried() -> Result<()> {
 
     // The connection closed after the request: the server may have applied it.
     let closed = raw_server(b"").await?;
-    let outcome = post(&HttpExecutor::post_json(client(), url(&closed)), &action).await;
+    let outcome = post(&HttpExecutor::post_json(builder(), url(&closed))?, &action).await;
     ensure!(
         matches!(&outcome, Outcome::Retry { reason, after: None } if reason.starts_with("sent, no answer")),
         "{outcome:?}"
@@ -378,7 +430,7 @@ async fn a_request_sent_without_an_answer_is_retried() -> Result<()> {
 
     // The answer's head came, its body was cut.
     let cut = raw_server(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{\"charge_id\"").await?;
-    let outcome = post(&HttpExecutor::post_json(client(), url(&cut)), &action).await;
+    let outcome = post(&HttpExecutor::post_json(builder(), url(&cut))?, &action).await;
     ensure!(
         matches!(&outcome, Outcome::Retry { reason, .. } if reason.starts_with("HTTP 200, its body could not be read")),
         "{outcome:?}"
@@ -386,11 +438,8 @@ async fn a_request_sent_without_an_answer_is_retried() -> Result<()> {
 
     // The client's timeout.
     let (base, seen) = answer_server().await?;
-    let impatient = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_millis(300))
-        .build()?;
-    let executor = HttpExecutor::post_json(impatient, url(&format!("{base}/200/stall")));
+    let impatient = builder().timeout(Duration::from_millis(300));
+    let executor = HttpExecutor::post_json(impatient, url(&format!("{base}/200/stall")))?;
     let outcome = post(&executor, &action).await;
     ensure!(
         matches!(&outcome, Outcome::Retry { reason, .. } if reason.starts_with("sent, no answer")),
@@ -421,7 +470,7 @@ async fn connection_refused_is_unavailable() -> Result<()> {
 
     // The billing API stopped refuses connections on its port, and answers once restarted.
     let api = BillingApi::start().await?;
-    let executor = HttpExecutor::post_json(client(), url(&api.charges_url()));
+    let executor = HttpExecutor::post_json(builder(), url(&api.charges_url()))?;
     api.stop().await;
     let outcome = post(&executor, &action).await;
     ensure!(
@@ -434,6 +483,449 @@ async fn connection_refused_is_unavailable() -> Result<()> {
         outcome == Outcome::done(json!({ "charge_id": "ch_1", "invoice": "INV-1", "cents": 500 })),
         "{outcome:?}"
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Redirects, plain HTTP, credentials, rate limits, payloads, Debug and verify.
+
+/// Every request a recording server received.
+#[derive(Debug, Default)]
+struct Hits(Mutex<Vec<Hit>>);
+
+#[derive(Debug, Clone)]
+struct Hit {
+    method: Method,
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Hits {
+    fn all(&self) -> Vec<Hit> {
+        self.0.lock().expect("lock").clone()
+    }
+}
+
+/// Records the request and answers `200 []` (what a list endpoint answers).
+async fn record(
+    State(hits): State<Arc<Hits>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    hits.0.lock().expect("lock").push(Hit {
+        method,
+        path: uri.path().to_owned(),
+        headers,
+        body,
+    });
+    axum::Json(json!([])).into_response()
+}
+
+/// Serves `router` on a port of its own; its base URL.
+async fn serve(router: Router) -> Result<String> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Ok(base)
+}
+
+/// A server that records every request (any method, any path) and answers `200 []`.
+async fn recording_server() -> Result<(String, Arc<Hits>)> {
+    let hits = Arc::new(Hits::default());
+    let base = serve(Router::new().fallback(record).with_state(Arc::clone(&hits))).await?;
+    Ok((base, hits))
+}
+
+/// `code` with `Location: location` and a body that repeats it, as web servers write one.
+fn redirect(code: u16, location: &str) -> Response {
+    (
+        StatusCode::from_u16(code).expect("a status code"),
+        [(header::LOCATION, location.to_owned())],
+        format!("Moved to {location}"),
+    )
+        .into_response()
+}
+
+#[tokio::test]
+async fn a_redirect_to_a_list_endpoint_is_rejected_with_its_location_never_done() -> Result<()> {
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+    // `POST /charges` moved: `/v2/charges` lists charges (`GET` answers `[]`), so a client that
+    // follows a 301, 302 or 303 as a GET records a list as the charge's answer.
+    let listed = Arc::new(Hits::default());
+    let router = Router::new()
+        .route(
+            "/charges",
+            routing::post(|| async { redirect(301, "/v2/charges") }),
+        )
+        .route(
+            "/charges/{code}",
+            routing::post(|Path(code): Path<u16>| async move { redirect(code, "/v2/charges") }),
+        )
+        .route("/v2/charges", any(record))
+        .with_state(Arc::clone(&listed));
+    let base = serve(router).await?;
+
+    let outcome = post(&post_to(&base, "/charges"), &action).await;
+    let Outcome::Rejected { reason, answer } = &outcome else {
+        bail!("a 301 is rejected, never done: {outcome:?}");
+    };
+    ensure!(
+        *answer
+            == json!({ "status": 301, "location": "/v2/charges", "body": "Moved to /v2/charges" }),
+        "{answer}"
+    );
+    ensure!(
+        reason
+            == "HTTP 301 Moved Permanently: a redirect, not followed \
+                   (its location is in the answer)",
+        "{reason}"
+    );
+    for code in [302, 303, 307, 308] {
+        let outcome = post(&post_to(&base, &format!("/charges/{code}")), &action).await;
+        ensure!(
+            matches!(&outcome, Outcome::Rejected { answer, reason }
+                if answer["status"] == code && answer["location"] == "/v2/charges"
+                    && reason.contains("not followed") && !reason.contains("/v2")),
+            "{code}: {outcome:?}"
+        );
+    }
+    // The executor has returned: a redirect followed would have reached it by now.
+    let hits = listed.all();
+    ensure!(hits.is_empty(), "the list endpoint saw {hits:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_307_to_another_server_sends_it_nothing() -> Result<()> {
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+    let (elsewhere, hits) = recording_server().await?;
+    let location = format!("{elsewhere}/charges");
+    let router = Router::new().route(
+        "/charges/{code}",
+        routing::post(
+            |State(location): State<String>, Path(code): Path<u16>| async move {
+                redirect(code, &location)
+            },
+        ),
+    );
+    let base = serve(router.with_state(location.clone())).await?;
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        reqwest::header::HeaderValue::from_static("Bearer s3cr3t"),
+    );
+
+    for code in [307, 308] {
+        let executor = HttpExecutor::post_json(
+            builder().default_headers(headers.clone()),
+            url(&format!("{base}/charges/{code}")),
+        )?;
+        let outcome = post(&executor, &action).await;
+        let Outcome::Rejected { reason, answer } = &outcome else {
+            bail!("a {code} is rejected: {outcome:?}");
+        };
+        ensure!(
+            answer["location"] == location.as_str(),
+            "{code}: the location is in the answer: {answer}"
+        );
+        ensure!(
+            !reason.contains(&elsewhere) && !reason.contains("127.0.0.1"),
+            "{code}: no URL in the reason: {reason}"
+        );
+    }
+    // The executor has returned: a redirect followed would have reached the other server.
+    let hits = hits.all();
+    ensure!(
+        hits.is_empty(),
+        "the body, key and credentials went elsewhere: {hits:?}"
+    );
+    Ok(())
+}
+
+/// A stand-in for a proxy on a port of its own: counts the connections made to it, and
+/// answers each request `200 {}`. With the client's proxy set to it, a request the executor
+/// sends to any host reaches it (the TEST-NET address is never dialled).
+async fn proxy_trap() -> Result<(String, Arc<AtomicUsize>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let proxy = format!("http://{}", listener.local_addr()?);
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&connections);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if read_request(&mut stream).await.is_ok() {
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                        .await;
+                }
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    Ok((proxy, connections))
+}
+
+#[tokio::test]
+async fn plain_http_to_another_host_is_never_sent() -> Result<()> {
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+
+    for target in ["http://192.0.2.1/charges", "http://example.invalid/charges"] {
+        let Err(ProducerError::Config(message)) = HttpExecutor::post_json(builder(), url(target))
+        else {
+            bail!("post_json refuses {target}");
+        };
+        ensure!(
+            message.contains("plain http")
+                && message.contains("use an https URL")
+                && message.contains("post_json_plain_http"),
+            "the error says what to do: {message}"
+        );
+    }
+    // Loopback hosts take plain http.
+    for target in [
+        "http://localhost:1/charges",
+        "http://[::1]:1/charges",
+        "http://127.0.0.2:1/",
+    ] {
+        ensure!(
+            HttpExecutor::post_json(builder(), url(target)).is_ok(),
+            "{target}"
+        );
+    }
+
+    // A request built at call time for such a URL is not sent (nothing reaches the proxy
+    // every request of this client goes through), nor is a verify request.
+    let (proxy, connections) = proxy_trap().await?;
+    let through_trap = || -> Result<reqwest::ClientBuilder> {
+        Ok(reqwest::Client::builder().proxy(reqwest::Proxy::all(&proxy)?))
+    };
+    let build = |client: &reqwest::Client, action: &Action| {
+        client
+            .post("http://192.0.2.1/charges?token=hunter2")
+            .json(&action.payload)
+    };
+    let executor = HttpExecutor::new(through_trap()?, build)?.verify_with(build);
+    let outcome = post(&executor, &action).await;
+    let Outcome::NotSent { reason } = &outcome else {
+        bail!("plain http elsewhere is not sent: {outcome:?}");
+    };
+    ensure!(
+        reason.contains("plain http")
+            && !reason.contains("192.0.2.1")
+            && !reason.contains("hunter2"),
+        "{reason}"
+    );
+    let verified = executor.verify(&action).await;
+    ensure!(verified.is_none(), "{verified:?}");
+    ensure!(
+        connections.load(Ordering::SeqCst) == 0,
+        "no connection was made"
+    );
+
+    // Opted in: sent (through the proxy), so the trap would have seen a request sent above.
+    let allowed = HttpExecutor::new(through_trap()?, build)?.allow_plain_http();
+    let outcome = post(&allowed, &action).await;
+    ensure!(outcome == Outcome::done(json!({})), "{outcome:?}");
+    ensure!(connections.load(Ordering::SeqCst) == 1);
+    let plain = HttpExecutor::post_json_plain_http(through_trap()?, url("http://192.0.2.1/"))?;
+    let outcome = post(&plain, &action).await;
+    ensure!(outcome == Outcome::done(json!({})), "{outcome:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn refused_credentials_make_the_destination_unavailable() -> Result<()> {
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+    let (base, seen) = answer_server().await?;
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        reqwest::header::HeaderValue::from_static("Bearer s3cr3t"),
+    );
+    for code in [401, 403, 407] {
+        let executor = HttpExecutor::post_json(
+            builder().default_headers(headers.clone()),
+            url(&format!("{base}/{code}/echo")),
+        )?;
+        let outcome = post(&executor, &action).await;
+        let Outcome::Unavailable { reason } = &outcome else {
+            bail!("credentials refused make the destination unavailable: {outcome:?}");
+        };
+        ensure!(
+            reason.starts_with(&format!("HTTP {code} ")) && reason.contains("credentials refused"),
+            "{reason}"
+        );
+        ensure!(
+            !reason.contains("s3cr3t") && !reason.contains(SECRET_HEADER),
+            "no credentials quoted, no header value: {reason}"
+        );
+    }
+    ensure!(seen.keys().len() == 3);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_429_rate_limits_for_its_retry_after() -> Result<()> {
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+    let (base, _) = answer_server().await?;
+
+    let outcome = post(&post_to(&base, "/429/seconds"), &action).await;
+    ensure!(
+        outcome
+            == Outcome::rate_limited(
+                "HTTP 429 Too Many Requests: busy",
+                Some(Duration::from_secs(7))
+            ),
+        "{outcome:?}"
+    );
+    let outcome = post(&post_to(&base, "/429/date"), &action).await;
+    let Outcome::RateLimited { after, .. } = &outcome else {
+        bail!("a 429 rate-limits: {outcome:?}");
+    };
+    let after = after.context("Retry-After as a date gives a wait")?;
+    ensure!(
+        (Duration::from_secs(3590)..=Duration::from_secs(3600)).contains(&after),
+        "an hour from the answer: {after:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_payload_reaches_the_server_as_stored_every_digit() -> Result<()> {
+    let action = an_action_stored(r#"{"n":100000000000000000001}"#).await?;
+    ensure!(
+        action.payload.get().contains("100000000000000000001"),
+        "stored as written: {}",
+        action.payload.get()
+    );
+    let (base, hits) = recording_server().await?;
+    let outcome = post(&post_to(&base, "/charges"), &action).await;
+    ensure!(outcome == Outcome::done(json!([])), "{outcome:?}");
+    let hits = hits.all();
+    let [hit] = hits.as_slice() else {
+        bail!("one request: {hits:?}");
+    };
+    ensure!(hit.method == Method::POST && hit.path == "/charges");
+    ensure!(
+        hit.body.as_ref() == action.payload.get().as_bytes(),
+        "sent {:?}, stored {:?}",
+        String::from_utf8_lossy(&hit.body),
+        action.payload.get()
+    );
+    ensure!(
+        hit.headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes())
+            == Some(b"application/json".as_slice())
+    );
+    ensure!(
+        hit.headers.get("idempotency-key").map(|v| v.as_bytes())
+            == Some(action.idempotency_key().as_bytes())
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn debug_shows_nothing_of_the_client() -> Result<()> {
+    let headers = || {
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(
+            reqwest::header::AUTHORIZATION,
+            reqwest::header::HeaderValue::from_static("Bearer s3cr3t"),
+        );
+        headers
+    };
+    // The client itself prints its default headers.
+    let client = builder().default_headers(headers()).build()?;
+    ensure!(format!("{client:?}").contains("s3cr3t"));
+
+    let executor = HttpExecutor::post_json(
+        builder().default_headers(headers()),
+        url("https://billing.example/charges?token=hunter2"),
+    )?;
+    let printed = format!("{executor:?} {executor:#?}");
+    ensure!(
+        !printed.contains("s3cr3t") && !printed.contains("hunter2"),
+        "{printed}"
+    );
+    Ok(())
+}
+
+/// The charges a server knows, by idempotency key.
+type Known = Arc<Mutex<HashMap<String, Value>>>;
+
+/// `GET /charges/by-key` answers the charge made under the request's `Idempotency-Key`
+/// (200), or 404.
+async fn lookup(State((known, asked)): State<(Known, Arc<Seen>)>, headers: HeaderMap) -> Response {
+    let keys: Vec<String> = headers
+        .get_all("idempotency-key")
+        .iter()
+        .map(|v| v.to_str().unwrap_or("<not text>").to_owned())
+        .collect();
+    let found = keys
+        .first()
+        .and_then(|k| known.lock().expect("lock").get(k).cloned());
+    asked.keys.lock().expect("lock").push(keys);
+    match found {
+        Some(charge) => axum::Json(charge).into_response(),
+        None => (StatusCode::NOT_FOUND, "no such key").into_response(),
+    }
+}
+
+#[tokio::test]
+async fn verify_asks_the_destination_for_the_key() -> Result<()> {
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+    let known = Known::default();
+    let asked = Arc::new(Seen::default());
+    let router = Router::new()
+        .route("/charges/by-key", get(lookup))
+        .route(
+            "/broken",
+            any(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "down") }),
+        )
+        .with_state((Arc::clone(&known), Arc::clone(&asked)));
+    let base = serve(router).await?;
+    let charges = url(&format!("{base}/charges"));
+
+    // Without a verify request: it cannot tell.
+    let executor = HttpExecutor::post_json(builder(), charges.clone())?;
+    ensure!(executor.verify(&action).await.is_none());
+
+    let by_key = format!("{base}/charges/by-key");
+    let executor = HttpExecutor::post_json(builder(), charges.clone())?
+        .verify_with(move |client: &reqwest::Client, _: &Action| client.get(&by_key));
+    let verified = executor.verify(&action).await;
+    ensure!(
+        matches!(&verified, Some(Outcome::NotSent { reason }) if reason.starts_with("HTTP 404 ")),
+        "an unknown key was not applied: {verified:?}"
+    );
+    let charge = json!({ "charge_id": "ch_1", "cents": 500 });
+    known
+        .lock()
+        .expect("lock")
+        .insert(action.idempotency_key(), charge.clone());
+    let verified = executor.verify(&action).await;
+    ensure!(verified == Some(Outcome::Done(charge)), "{verified:?}");
+    ensure!(
+        asked.keys() == [[action.idempotency_key()], [action.idempotency_key()]],
+        "the verify requests carried the key: {:?}",
+        asked.keys()
+    );
+
+    // A 500, or no connection: it cannot tell.
+    let broken = format!("{base}/broken");
+    let executor = HttpExecutor::post_json(builder(), charges.clone())?
+        .verify_with(move |client: &reqwest::Client, _: &Action| client.get(&broken));
+    ensure!(executor.verify(&action).await.is_none());
+    let port = TcpListener::bind("127.0.0.1:0").await?.local_addr()?.port();
+    let executor = HttpExecutor::post_json(builder(), charges)?.verify_with(
+        move |client: &reqwest::Client, _: &Action| {
+            client.get(format!("http://127.0.0.1:{port}/charges/by-key"))
+        },
+    );
+    ensure!(executor.verify(&action).await.is_none());
     Ok(())
 }
 
@@ -595,7 +1087,7 @@ fn run_dispatcher(db: &TestDb, api: &BillingApi, call_timeout: Duration) -> Resu
         .call_timeout(call_timeout)
         .backoff(Duration::from_millis(20), Duration::from_millis(200))
         .poll_interval(Duration::from_millis(50));
-    let executor = HttpExecutor::post_json(client(), url(&api.charges_url()));
+    let executor = HttpExecutor::post_json(builder(), url(&api.charges_url()))?;
     let dispatcher = Dispatcher::new(db.pool.clone(), config, executor)?;
     let shutdown = CancellationToken::new();
     let task = tokio::spawn({

@@ -2,9 +2,9 @@
 //!
 //! - P9a: against an API that answers at once, the dispatcher (`Dispatcher::run` with the
 //!   HTTP executor) vs the hand-written loop of issue 28 (claim `FOR UPDATE SKIP LOCKED`,
-//!   call, mark, commit) with the same reqwest client and the same concurrency, 64 calls in
-//!   flight: 2 loops claiming 32 rows each (the dispatcher's batch size) and calling a
-//!   batch's rows at once.
+//!   call, mark, commit) with a reqwest client of the same settings and the same
+//!   concurrency, 64 calls in flight: 2 loops claiming 32 rows each (the dispatcher's batch
+//!   size) and calling a batch's rows at once.
 //! - P9b: at 20 ms of API latency with `max_in_flight` 64, the dispatcher's actions/s against
 //!   the bound that concurrency across keys allows, 64 / 20 ms = 3,200/s, with each key's
 //!   charges in the API's ledger checked to be in commit order, once each.
@@ -166,15 +166,16 @@ async fn dispatcher_run<E: Executor>(
 }
 
 /// Actions per second for the dispatcher to perform every action of a fresh fixture.
-async fn dispatcher_rate(
-    client: &reqwest::Client,
-    actions: usize,
-    latency: Option<Duration>,
-) -> Result<f64> {
+async fn dispatcher_rate(actions: usize, latency: Option<Duration>) -> Result<f64> {
     let (db, api) = fixture(actions, latency).await?;
-    let executor = HttpExecutor::post_json(client.clone(), api.charges_url().parse()?);
+    let executor = HttpExecutor::post_json(client_builder(), api.charges_url().parse()?)?;
     let elapsed = dispatcher_run(&db, &api, executor, actions).await?;
     Ok(actions as f64 / elapsed.as_secs_f64())
+}
+
+/// The settings of the executor's client and of the hand-written loops' client.
+fn client_builder() -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
 }
 
 /// One hand-written loop: claim a batch, call its rows at once, mark them with the answers,
@@ -386,7 +387,7 @@ async fn breakdown(
     let calls = CallTimes::default();
     let executor = {
         let (http, calls) = (
-            HttpExecutor::post_json(client.clone(), api.charges_url().parse()?),
+            HttpExecutor::post_json(client_builder(), api.charges_url().parse()?)?,
             calls.clone(),
         );
         move |action: Action| {
@@ -468,9 +469,11 @@ fn breakdown_figures(id: &'static str, dispatcher: &Breakdown, hand: &Breakdown)
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let actions = settings.actions;
-    // One client for every run of both variants: the executor's and the loops' calls go
-    // through the same connection pool settings.
-    let client = reqwest::Client::new();
+    // The loops' client has the executor's settings (the executor builds its own, without
+    // redirects), so that both variants' calls go through the same connection pool settings.
+    let client = client_builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
     let [
         mut dispatched,
         mut looped,
@@ -478,9 +481,9 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         mut looped_slow,
     ]: [Sample; 4] = Default::default();
     for round in 0..settings.rounds {
-        dispatched.push(dispatcher_rate(&client, actions, None).await?);
+        dispatched.push(dispatcher_rate(actions, None).await?);
         looped.push(hand_loop_rate(&client, actions, None).await?);
-        dispatched_slow.push(dispatcher_rate(&client, actions, Some(LATENCY)).await?);
+        dispatched_slow.push(dispatcher_rate(actions, Some(LATENCY)).await?);
         looped_slow.push(hand_loop_rate(&client, actions, Some(LATENCY)).await?);
         eprintln!(
             "P9 round {round}: dispatcher {:.0}, hand loop {:.0} actions/s; at {LATENCY:?}: \

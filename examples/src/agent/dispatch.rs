@@ -175,12 +175,11 @@ pub async fn worker(pool: PgPool, billing_url: &str, crash: Option<DispatchCrash
         || die_at(DispatchCrash::AfterCommit),
     )
     .await?;
-    let client = reqwest::Client::new();
     let executor = Calling {
         http: HttpExecutor::post_json(
-            client,
+            reqwest::Client::builder(),
             reqwest::Url::parse(&format!("{billing_url}/charges")).context("the billing URL")?,
-        ),
+        )?,
         billing_url: billing_url.to_owned(),
         crash,
     };

@@ -54,10 +54,9 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         .pool(u32::try_from(args.max_in_flight.div_ceil(args.batch_size as usize))? + 2)?;
     // Connection refused (the API down) must read as an outage, not as a call without an
     // answer: the connect timeout stays below the call timeout.
-    let client = reqwest::Client::builder()
-        .connect_timeout(Duration::from_millis(args.call_timeout_ms / 2))
-        .build()?;
-    let executor = HttpExecutor::post_json(client, args.api_url.parse()?);
+    let client =
+        reqwest::Client::builder().connect_timeout(Duration::from_millis(args.call_timeout_ms / 2));
+    let executor = HttpExecutor::post_json(client, args.api_url.parse()?)?;
     // Checking the checker: `CHAOS_SABOTAGE=fresh-key` makes this dispatcher send a new
     // idempotency key on every retry, a bug the run must then report (charges under keys of
     // no committed action, actions without a charge under their own).

@@ -9,58 +9,92 @@
 //!   the same key: an API that honours idempotency keys (payment APIs do) applies the action
 //!   once and answers the repeat with the stored response. An API that ignores the header may
 //!   apply it again.
+//! - **Its own client, never redirected**: the executor builds its client from the
+//!   [`ClientBuilder`] it is given, with [`reqwest::redirect::Policy::none()`] whatever the
+//!   builder said. A redirect followed would send a `POST` again as a `GET` without its body
+//!   (301, 302, 303), whose `2xx` (a list, a form) is not the answer to the request, or send
+//!   the body, the key and the credentials to whatever host `Location` names (307, 308). A
+//!   3xx is an answer: [`Outcome::Rejected`], with `Location` in the stored answer.
+//! - **https only**, except `http://` to a loopback host (`127.0.0.0/8`, `::1`, `localhost`),
+//!   unless the executor was made with [`HttpExecutor::allow_plain_http`] (or
+//!   [`HttpExecutor::post_json_plain_http`]): the payload, the key and the credentials would
+//!   cross the network in the clear. [`HttpExecutor::post_json`] refuses such a URL when it
+//!   is made; a request built for one at call time is [`Outcome::NotSent`], nothing sent.
 //! - **Status codes**:
 //!
 //!   | answer | outcome |
 //!   | --- | --- |
 //!   | 2xx | [`Outcome::Done`] with the body as JSON; a body that is not JSON as `{"status": n, "body": "<text>"}`; an empty one as `{"status": n}` |
-//!   | 408, 409, 425, 429, 5xx | [`Outcome::Retry`], after at least `Retry-After` (seconds or an HTTP date) when the answer has one |
-//!   | any other 4xx; a 1xx or 3xx left after the client's redirects | [`Outcome::Rejected`], the body (as above) as the answer |
+//!   | 3xx | [`Outcome::Rejected`], not followed; the answer is `{"status": n, "location": "<Location as text, or null>", "body": <JSON or text, when not empty>}` |
+//!   | 401, 403, 407 | [`Outcome::Unavailable`]: credentials refused, not applied; the destination's failure, not the action's |
+//!   | 429 | [`Outcome::RateLimited`], after `Retry-After` (seconds or an HTTP date) when the answer has one |
+//!   | 408, 409, 425, 5xx | [`Outcome::Retry`], after at least `Retry-After` when the answer has one |
+//!   | any other 4xx, a 1xx | [`Outcome::Rejected`], the body (as for a 2xx) as the answer |
 //!
 //!   A 409 is retried because payment APIs answer it to a request whose key an earlier
 //!   attempt is still processing (one the dispatcher stopped waiting for at `call_timeout`):
 //!   the retry gets the first attempt's stored answer once it is done. An API that means
 //!   something permanent by 409 sees it retried until `max_attempts`, then quarantined.
+//!   Credentials refused are a destination's failure because every call gets them (a key
+//!   rotated or revoked): the dispatcher finds the destination down and probes it, charging
+//!   no action, until the credentials are fixed.
+//! - **Nothing sent**: a request that cannot be built (a bad URL, a header that is not a
+//!   header) or that would go over plain HTTP to another host is [`Outcome::NotSent`]: the
+//!   action is quarantined at once as never sent.
 //! - **No answer**: an error before the request was sent (connection refused, DNS, a connect
 //!   timeout, a TLS handshake refused) is [`Outcome::Unavailable`]: nothing is charged to the
-//!   action, and when no call of a batch got an answer the dispatcher pauses as a whole. An
-//!   error after it was sent (a timeout, a reset connection, a body that could not be read)
-//!   is [`Outcome::Retry`]: the API may have applied it, so the same request is made again
-//!   with the same key. Set the client's `connect_timeout` below the dispatcher's
-//!   `call_timeout`, or an unreachable host counts as a call without an answer (a retry,
-//!   charged to the action) rather than as an outage.
+//!   action, and the dispatcher counts it against the destination's health. An error after
+//!   it was sent (a timeout, a reset connection, a body that could not be read) is
+//!   [`Outcome::Retry`]: the API may have applied it, so the same request is made again with
+//!   the same key. Set the client's `connect_timeout` below the dispatcher's `call_timeout`,
+//!   or an unreachable host counts as a call without an answer (a retry) rather than as an
+//!   outage.
 //! - **Bodies**: at most [`MAX_BODY`] (1 MiB) of a body is read, as it streams in; a longer
 //!   one is stored as `{"status": n, "body": "<its first 1 MiB as text>", "truncated": true}`.
+//!   [`HttpExecutor::post_json`] sends the payload as stored, byte for byte
+//!   ([`Action::payload`]: every digit of a number kept).
 //! - **Reasons** (the row's `last_error`) are short: the status and the first 200 characters
 //!   of the body, escaped ([`outbox_core::escape`]), or the error's chain without the URL.
-//!   They never hold a header value, the request's or the answer's.
-//! - **Redirects** follow the client's policy (reqwest follows 301, 302 and 303 as a `GET`
-//!   without the body): a client for an API that must not be redirected wants
-//!   `reqwest::redirect::Policy::none()`, so that a 3xx is rejected.
+//!   They never hold a URL or a header value, the request's or the answer's: a redirect's
+//!   reason leaves out its body (it usually repeats the location), a refusal of credentials
+//!   leaves out its body (a server may quote the credentials it refused). The executor's
+//!   `Debug` shows no part of the client (its default headers may hold a token).
+//! - **Verification**: with [`HttpExecutor::verify_with`], [`Executor::verify`] sends the
+//!   request it builds with the action's `Idempotency-Key`: a 2xx is
+//!   `Some(Outcome::Done(<the body, as for a call>))`, a 404 or 410
+//!   `Some(Outcome::NotSent { .. })`, anything else (or no answer) `None`. The dispatcher asks
+//!   before it gives up on an action a call may have applied, and before it calls again one
+//!   whose dispatcher stopped during its call: answer 404 only for a key the destination has
+//!   not applied and is not applying.
 //!
 //! ```no_run
 //! # fn doc(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
 //! use outbox_producer::dispatch::{Dispatcher, DispatcherConfig, HttpExecutor};
 //!
-//! let client = reqwest::Client::builder()
-//!     .connect_timeout(Duration::from_secs(5))
-//!     .build()?;
-//! let charges = HttpExecutor::post_json(client, "https://billing.example/charges".parse()?);
+//! let client = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
+//! let charges = HttpExecutor::post_json(client, "https://billing.example/charges".parse()?)?
+//!     .verify_with(|client, action| {
+//!         let key = action.idempotency_key();
+//!         client.get(format!("https://billing.example/charges/by-key/{key}"))
+//!     });
 //! let dispatcher = Dispatcher::new(pool, DispatcherConfig::new("billing"), charges)?;
 //! # Ok(()) }
 //! ```
 
 use std::fmt::Write as _;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
-use reqwest::{Client, RequestBuilder, Response, StatusCode, Url};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
+use reqwest::redirect::Policy;
+use reqwest::{Client, ClientBuilder, Request, RequestBuilder, Response, StatusCode, Url};
 use serde_json::{Value, json};
 
 use super::{Action, Executor, Outcome};
+use crate::ProducerError;
 
 /// Most bytes of an answer's body read and stored: 1 MiB.
 pub const MAX_BODY: usize = 1 << 20;
@@ -70,79 +104,137 @@ const SNIPPET_CHARS: usize = 200;
 
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
-type Build = dyn Fn(&Action) -> RequestBuilder + Send + Sync;
+type Build = dyn Fn(&Client, &Action) -> RequestBuilder + Send + Sync;
 
 /// Performs actions as HTTP requests: see the [module](self) for what each answer becomes.
-/// Cheap to clone.
+/// Cheap to clone (clones share the client and its connections).
 #[derive(Clone)]
 pub struct HttpExecutor {
     client: Client,
     build: Arc<Build>,
+    verify: Option<Arc<Build>>,
+    plain_http: bool,
 }
 
+/// Leaves the client out: its `Debug` prints its default headers (an `Authorization` token).
 impl std::fmt::Debug for HttpExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HttpExecutor")
-            .field("client", &self.client)
+            .field("verifies", &self.verify.is_some())
+            .field("plain_http", &self.plain_http)
             .finish_non_exhaustive()
     }
 }
 
 impl HttpExecutor {
-    /// POSTs each action's payload as JSON (`Content-Type: application/json`) to `url`.
-    pub fn post_json(client: Client, url: Url) -> Self {
-        let builder = client.clone();
-        Self::new(client, move |action: &Action| {
-            builder.post(url.clone()).json(&action.payload)
-        })
+    /// POSTs each action's payload, as stored ([`Action::payload`], byte for byte), with
+    /// `Content-Type: application/json`, to `url`, with a client built from `builder` (see
+    /// [`Self::new`]).
+    ///
+    /// Fails with [`ProducerError::Config`] if the client cannot be built, or if `url` is
+    /// not `https://` (`http://` is taken to a loopback host only): use an https URL, or
+    /// [`Self::post_json_plain_http`] on a network you trust.
+    pub fn post_json(builder: ClientBuilder, url: Url) -> Result<Self, ProducerError> {
+        if let Some(refusal) = refusal(&url, false) {
+            return Err(ProducerError::Config(format!(
+                "HttpExecutor::post_json to {}: {refusal}; use an https URL, or \
+                 HttpExecutor::post_json_plain_http if the network to it is trusted",
+                url.host_str().unwrap_or("a URL without a host"),
+            )));
+        }
+        Self::post_json_plain_http(builder, url)
+    }
+
+    /// [`Self::post_json`] that also takes a plain `http://` URL to any host
+    /// ([`Self::allow_plain_http`]): the payload, the key and any credentials cross the
+    /// network unencrypted.
+    pub fn post_json_plain_http(builder: ClientBuilder, url: Url) -> Result<Self, ProducerError> {
+        let executor = Self::new(builder, move |client: &Client, action: &Action| {
+            client
+                .post(url.clone())
+                .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+                .body(action.payload.get().to_owned())
+        })?;
+        Ok(executor.allow_plain_http())
     }
 
     /// Sends the request `build` makes of each action (its method, URL, body and headers)
-    /// with `client`; `build` usually starts from a clone of the same client
-    /// (`client.post(...)`). The `Idempotency-Key` header is set after `build`, replacing any
-    /// it set. A request `build` cannot make (a bad URL) is [`Outcome::Rejected`].
-    pub fn new<F>(client: Client, build: F) -> Self
+    /// with the client `builder` makes, which `build` is given (`client.post(...)`).
+    /// Redirects are never followed, whatever `builder` says (a 3xx is
+    /// [`Outcome::Rejected`]). The `Idempotency-Key` header is set after `build`, replacing
+    /// any it set. A request `build` cannot make (a bad URL), or one to a plain `http://` URL
+    /// of a host that is not loopback (unless [`Self::allow_plain_http`]), is
+    /// [`Outcome::NotSent`].
+    ///
+    /// Fails with [`ProducerError::Config`] if `builder` cannot build a client (a TLS
+    /// backend that does not load, a bad certificate).
+    pub fn new<F>(builder: ClientBuilder, build: F) -> Result<Self, ProducerError>
     where
-        F: Fn(&Action) -> RequestBuilder + Send + Sync + 'static,
+        F: Fn(&Client, &Action) -> RequestBuilder + Send + Sync + 'static,
     {
-        Self {
+        let client = builder.redirect(Policy::none()).build().map_err(|e| {
+            ProducerError::Config(format!(
+                "the HTTP executor's client could not be built: {}",
+                chain(e)
+            ))
+        })?;
+        Ok(Self {
             client,
             build: Arc::new(build),
+            verify: None,
+            plain_http: false,
+        })
+    }
+
+    /// Sends requests to plain `http://` URLs of any host, not only loopback ones: for a
+    /// network you trust (the payload, the key and any credentials go unencrypted).
+    #[must_use]
+    pub fn allow_plain_http(mut self) -> Self {
+        self.plain_http = true;
+        self
+    }
+
+    /// Makes [`Executor::verify`] send the request `build` makes of an action (a `GET` of
+    /// the charge made under its key), with the action's `Idempotency-Key`: a 2xx is
+    /// `Some(Outcome::Done(<its body>))`, a 404 or a 410 `Some(Outcome::NotSent { .. })`,
+    /// anything else `None`. Answer 404 only for a key that was not applied and is not
+    /// being applied: the dispatcher then quarantines the action as never sent.
+    #[must_use]
+    pub fn verify_with<F>(mut self, build: F) -> Self
+    where
+        F: Fn(&Client, &Action) -> RequestBuilder + Send + Sync + 'static,
+    {
+        self.verify = Some(Arc::new(build));
+        self
+    }
+
+    /// The request `build` makes of `action`, with its key; the reason when it is not sent.
+    fn request(&self, build: &Build, action: &Action) -> Result<Request, String> {
+        let mut request = build(&self.client, action)
+            .build()
+            .map_err(|e| format!("the request could not be built: {}", chain(e)))?;
+        if let Some(refusal) = refusal(request.url(), self.plain_http) {
+            return Err(format!("not sent: {refusal}"));
         }
+        // An event id is a UUID: always a valid header value.
+        let key = HeaderValue::try_from(action.idempotency_key())
+            .map_err(|_| "the idempotency key is not a header value".to_owned())?;
+        request.headers_mut().insert(IDEMPOTENCY_KEY, key);
+        Ok(request)
     }
 
     async fn call(&self, action: Action) -> Outcome {
-        let mut request = match (self.build)(&action).build() {
+        let request = match self.request(&*self.build, &action) {
             Ok(request) => request,
-            Err(e) => {
-                return Outcome::rejected(
-                    format!("the request could not be built: {}", chain(e)),
-                    Value::Null,
-                );
-            }
+            Err(reason) => return Outcome::not_sent(reason),
         };
-        match HeaderValue::try_from(action.idempotency_key()) {
-            Ok(key) => {
-                request.headers_mut().insert(IDEMPOTENCY_KEY, key);
-            }
-            // An event id is a UUID: always a valid header value.
-            Err(_) => {
-                return Outcome::rejected("the idempotency key is not a header value", Value::Null);
-            }
-        }
         let response = match self.client.execute(request).await {
             Ok(response) => response,
             Err(e) if e.is_connect() => {
                 return Outcome::unavailable(format!("no connection: {}", chain(e)));
             }
             Err(e) if e.is_builder() => {
-                return Outcome::rejected(
-                    format!("the request could not be built: {}", chain(e)),
-                    Value::Null,
-                );
-            }
-            Err(e) if e.is_redirect() => {
-                return Outcome::rejected(format!("redirects: {}", chain(e)), Value::Null);
+                return Outcome::not_sent(format!("the request could not be built: {}", chain(e)));
             }
             Err(e) => {
                 return Outcome::retry(format!(
@@ -153,8 +245,12 @@ impl HttpExecutor {
         };
         let status = response.status();
         let after = retry_after(response.headers(), SystemTime::now());
+        let location = response
+            .headers()
+            .get(LOCATION)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         match read_body(response).await {
-            Ok(body) => classify(status, after, &body),
+            Ok(body) => classify(status, after, location, &body),
             Err(e) => Outcome::retry(format!(
                 "HTTP {}, its body could not be read (the outcome is unknown): {}",
                 status.as_u16(),
@@ -162,11 +258,66 @@ impl HttpExecutor {
             )),
         }
     }
+
+    async fn ask(&self, action: &Action) -> Option<Outcome> {
+        let build = self.verify.as_deref()?;
+        let request = self.request(build, action).ok()?;
+        let response = self.client.execute(request).await.ok()?;
+        let status = response.status();
+        if status.is_success() {
+            let body = read_body(response).await.ok()?;
+            return Some(Outcome::Done(answer(status, &body)));
+        }
+        match status {
+            StatusCode::NOT_FOUND | StatusCode::GONE => Some(Outcome::not_sent(format!(
+                "HTTP {status} when asked for the key: the destination has not applied it"
+            ))),
+            _ => None,
+        }
+    }
 }
 
 impl Executor for HttpExecutor {
     fn execute(&self, action: Action) -> impl Future<Output = Outcome> + Send {
         self.call(action)
+    }
+
+    fn verify(&self, action: &Action) -> impl Future<Output = Option<Outcome>> + Send {
+        self.ask(action)
+    }
+}
+
+/// Why a request to `url` must not be sent, if it must not: a scheme other than https, or
+/// plain http to a host that is not loopback (unless `plain_http`). Names no part of the URL.
+fn refusal(url: &Url, plain_http: bool) -> Option<&'static str> {
+    match url.scheme() {
+        "https" => None,
+        "http" if plain_http || is_loopback(url) => None,
+        "http" => Some(
+            "plain http to a host that is not loopback (the payload, the idempotency key and \
+             any credentials would cross the network unencrypted)",
+        ),
+        _ => Some("not an http or https URL"),
+    }
+}
+
+/// `127.0.0.0/8`, `::1` or `localhost`: a plain-http request to it never leaves the machine.
+fn is_loopback(url: &Url) -> bool {
+    // `Url` writes an IPv4 host in dotted form (`http://2130706433/` is 127.0.0.1) and an
+    // IPv6 one in brackets.
+    let Some(host) = url.host_str() else {
+        return false;
+    };
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    match bare.parse::<IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host
+            .strip_suffix('.')
+            .unwrap_or(host)
+            .eq_ignore_ascii_case("localhost"),
     }
 }
 
@@ -192,39 +343,86 @@ async fn read_body(mut response: Response) -> Result<Body, reqwest::Error> {
     Ok(body)
 }
 
-/// What an answer with `status` and `body` becomes.
-fn classify(status: StatusCode, after: Option<Duration>, body: &Body) -> Outcome {
-    let answer = answer(status, body);
+/// What an answer with `status`, `Retry-After` (as `after`), `Location` and `body` becomes.
+fn classify(
+    status: StatusCode,
+    after: Option<Duration>,
+    location: Option<String>,
+    body: &Body,
+) -> Outcome {
     if status.is_success() {
-        return Outcome::Done(answer);
+        return Outcome::Done(answer(status, body));
+    }
+    if status.is_redirection() {
+        // The body is left out of the reason: it usually repeats the location, which may
+        // hold a token.
+        return Outcome::Rejected {
+            reason: format!(
+                "HTTP {status}: a redirect, not followed (its location is in the answer)"
+            ),
+            answer: redirect_answer(status, location, body),
+        };
+    }
+    let code = status.as_u16();
+    if matches!(code, 401 | 403 | 407) {
+        // Every call gets it until the credentials are fixed: the destination's failure.
+        // The body is left out: a server may quote the credentials it refused.
+        return Outcome::unavailable(format!("HTTP {status}: credentials refused, not applied"));
     }
     let mut reason = format!("HTTP {status}");
-    if status.is_informational() || status.is_redirection() {
-        reason.push_str(" (not followed)");
+    if status.is_informational() {
+        reason.push_str(" (an interim answer, not the request's outcome)");
     }
     reason.push_str(&snippet(body));
-    match status.as_u16() {
-        408 | 409 | 425 | 429 | 500..=599 => Outcome::Retry { reason, after },
-        _ => Outcome::Rejected { reason, answer },
+    match code {
+        429 => Outcome::RateLimited { reason, after },
+        408 | 409 | 425 | 500..=599 => Outcome::Retry { reason, after },
+        _ => Outcome::Rejected {
+            reason,
+            answer: answer(status, body),
+        },
     }
 }
 
 /// The body as JSON, or as text in `{"status": n, "body": ...}`; `{"status": n}` when empty.
 fn answer(status: StatusCode, body: &Body) -> Value {
     let status = status.as_u16();
-    if body.truncated {
-        return json!({
-            "status": status,
-            "body": String::from_utf8_lossy(&body.bytes),
-            "truncated": true,
-        });
-    }
     if body.bytes.is_empty() {
         return json!({ "status": status });
     }
-    serde_json::from_slice(&body.bytes).unwrap_or_else(
-        |_| json!({ "status": status, "body": String::from_utf8_lossy(&body.bytes) }),
-    )
+    if let Some(json) = parsed(body) {
+        return json;
+    }
+    let mut answer = json!({ "status": status, "body": text(body) });
+    if body.truncated {
+        answer["truncated"] = Value::Bool(true);
+    }
+    answer
+}
+
+/// `{"status": n, "location": <text or null>, "body": <JSON or text>}`, without `body` when
+/// it is empty, with `"truncated": true` when it was cut.
+fn redirect_answer(status: StatusCode, location: Option<String>, body: &Body) -> Value {
+    let mut answer = json!({ "status": status.as_u16(), "location": location });
+    if !body.bytes.is_empty() {
+        answer["body"] = parsed(body).unwrap_or_else(|| Value::String(text(body)));
+    }
+    if body.truncated {
+        answer["truncated"] = Value::Bool(true);
+    }
+    answer
+}
+
+/// The body as JSON, if it is whole and JSON.
+fn parsed(body: &Body) -> Option<Value> {
+    if body.truncated {
+        return None;
+    }
+    serde_json::from_slice(&body.bytes).ok()
+}
+
+fn text(body: &Body) -> String {
+    String::from_utf8_lossy(&body.bytes).into_owned()
 }
 
 /// `: <the body's first characters, escaped>` (nothing for an empty body).
@@ -316,37 +514,136 @@ mod tests {
         );
     }
 
+    fn outcome(code: u16, location: Option<&str>, body_text: &[u8]) -> Outcome {
+        let status = StatusCode::from_u16(code).expect("status");
+        classify(
+            status,
+            Some(Duration::from_secs(7)),
+            location.map(str::to_owned),
+            &body(body_text),
+        )
+    }
+
     #[test]
     fn statuses_become_outcomes() {
-        let retried = [408, 409, 425, 429, 500, 502, 503, 504, 599];
-        for code in retried {
-            let status = StatusCode::from_u16(code).expect("status");
+        for code in [200, 201, 202, 204, 299] {
             assert!(
-                matches!(classify(status, None, &body(b"")), Outcome::Retry { .. }),
+                matches!(outcome(code, None, b""), Outcome::Done(_)),
                 "{code}"
             );
         }
-        for code in [400, 401, 402, 403, 404, 410, 422, 451, 300, 304] {
-            let status = StatusCode::from_u16(code).expect("status");
+        for code in [408, 409, 425, 500, 502, 503, 504, 599] {
             assert!(
                 matches!(
-                    classify(status, None, &body(b"x")),
-                    Outcome::Rejected { .. }
+                    outcome(code, None, b""),
+                    Outcome::Retry { after: Some(after), .. } if after == Duration::from_secs(7)
                 ),
                 "{code}"
             );
         }
         assert!(matches!(
-            classify(StatusCode::CREATED, None, &body(b"")),
-            Outcome::Done(_)
+            outcome(429, None, b"slow down"),
+            Outcome::RateLimited { after: Some(after), .. } if after == Duration::from_secs(7)
         ));
+        for code in [401, 403, 407] {
+            assert!(
+                matches!(outcome(code, None, b"x"), Outcome::Unavailable { .. }),
+                "{code}"
+            );
+        }
+        for code in [400, 402, 404, 405, 410, 422, 451, 499, 100, 101, 103] {
+            assert!(
+                matches!(outcome(code, None, b"x"), Outcome::Rejected { .. }),
+                "{code}"
+            );
+        }
+        for code in [300, 301, 302, 303, 304, 307, 308] {
+            let rejected = outcome(code, Some("/v2/charges"), b"");
+            assert!(
+                matches!(&rejected, Outcome::Rejected { answer, reason }
+                    if *answer == json!({ "status": code, "location": "/v2/charges" })
+                        && reason.contains("not followed")),
+                "{code}: {rejected:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_redirect_keeps_its_location_and_body_in_the_answer_not_in_the_reason() {
+        let location = "https://elsewhere.example/charges?token=t0k3n";
+        let page = format!("<a href=\"{location}\">moved</a>");
+        let Outcome::Rejected { reason, answer } = outcome(308, Some(location), page.as_bytes())
+        else {
+            panic!("a 308 is rejected");
+        };
+        assert_eq!(
+            reason,
+            "HTTP 308 Permanent Redirect: a redirect, not followed (its location is in the answer)"
+        );
+        assert_eq!(
+            answer,
+            json!({ "status": 308, "location": location, "body": page })
+        );
+        let Outcome::Rejected { answer, .. } = outcome(301, None, br#"{"moved": true}"#) else {
+            panic!("a 301 is rejected");
+        };
+        assert_eq!(
+            answer,
+            json!({ "status": 301, "location": null, "body": { "moved": true } })
+        );
+    }
+
+    #[test]
+    fn refused_credentials_quote_nothing_of_the_answer() {
+        let Outcome::Unavailable { reason } = outcome(401, None, b"bad token: Bearer s3cr3t")
+        else {
+            panic!("a 401 is unavailable");
+        };
+        assert_eq!(
+            reason,
+            "HTTP 401 Unauthorized: credentials refused, not applied"
+        );
+    }
+
+    #[test]
+    fn plain_http_goes_to_loopback_hosts_only() {
+        let refused = |u: &str, plain_http: bool| {
+            refusal(&u.parse::<Url>().expect("a URL"), plain_http).is_some()
+        };
+        for sent in [
+            "https://billing.example/charges",
+            "https://192.0.2.1/",
+            "http://127.0.0.1:8080/charges",
+            "http://127.255.255.254/",
+            "http://2130706433/",
+            "http://[::1]:9000/",
+            "http://localhost/",
+            "http://LocalHost.:80/",
+        ] {
+            assert!(!refused(sent, false), "{sent}");
+        }
+        for not_sent in [
+            "http://billing.example/charges",
+            "http://192.0.2.1/",
+            "http://128.0.0.1/",
+            "http://[::2]/",
+            "http://[::ffff:127.0.0.1]/",
+            "http://localhost.example/",
+            "http://127.0.0.1.example/",
+            "ftp://127.0.0.1/",
+            "file:///etc/passwd",
+        ] {
+            assert!(refused(not_sent, false), "{not_sent}");
+        }
+        assert!(!refused("http://billing.example/charges", true));
+        assert!(refused("ftp://billing.example/", true));
     }
 
     #[test]
     fn reasons_quote_the_body_escaped_and_short() {
         let long = format!("line\n\u{1b}[31m{}", "x".repeat(1000));
         let Outcome::Rejected { reason, .. } =
-            classify(StatusCode::BAD_REQUEST, None, &body(long.as_bytes()))
+            classify(StatusCode::BAD_REQUEST, None, None, &body(long.as_bytes()))
         else {
             panic!("a 400 is rejected");
         };

@@ -29,6 +29,9 @@ pub(crate) struct Calls<E> {
     pub(super) health: Health,
     #[cfg(feature = "fault-injection")]
     crash_after_call: AtomicBool,
+    /// The injected crash fired: `run_once` records nothing of its batch, as a dead process.
+    #[cfg(feature = "fault-injection")]
+    pub(super) crashed: AtomicBool,
 }
 
 /// What became of one call.
@@ -49,6 +52,8 @@ impl<E: Executor> Calls<E> {
             health,
             #[cfg(feature = "fault-injection")]
             crash_after_call: AtomicBool::new(false),
+            #[cfg(feature = "fault-injection")]
+            crashed: AtomicBool::new(false),
         }
     }
 
@@ -156,6 +161,7 @@ impl<E: Executor> Calls<E> {
         };
         #[cfg(feature = "fault-injection")]
         if self.crash_after_call.swap(false, Ordering::SeqCst) {
+            self.crashed.store(true, Ordering::SeqCst);
             return None;
         }
         let verdict = self.judge(row, started, call);

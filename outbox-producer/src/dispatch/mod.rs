@@ -237,7 +237,9 @@ impl<E: Executor> Dispatcher<E> {
     }
 
     /// Makes the next call's result go unrecorded, as a crash between the call and its record
-    /// would: the action keeps its lease and is called again once the lease ends. For tests.
+    /// would: [`Self::run_once`] then records nothing of its batch and fails with
+    /// [`ProducerError::InjectedFault`]; the actions keep their leases and are called again,
+    /// same keys, once the leases end. For tests.
     #[cfg(feature = "fault-injection")]
     pub fn crash_after_next_call(&self) {
         self.lane.destination.crash_after_next_call();

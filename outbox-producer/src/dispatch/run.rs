@@ -137,6 +137,17 @@ pub(super) async fn run_once<E: Executor>(
             std::panic::resume_unwind(e.into_panic());
         }
     }
+    #[cfg(feature = "fault-injection")]
+    if calls
+        .crashed
+        .swap(false, std::sync::atomic::Ordering::SeqCst)
+    {
+        // Nothing of the batch recorded, as a process dead after its calls: the actions keep
+        // their leases, and are called again with the same keys once those end.
+        return Err(ProducerError::InjectedFault(
+            "crash after the call, before the record",
+        ));
+    }
     let mut batch = Vec::new();
     while let Some(result) = received.recv().await {
         batch.push(result);

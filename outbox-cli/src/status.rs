@@ -19,7 +19,21 @@ struct Status {
     quarantined: i64,
     consumer_quarantined: i64,
     topics: Vec<TopicLag>,
+    destinations: Vec<Destination>,
     dedup: DedupSize,
+}
+
+/// A dispatcher destination, as its pending actions tell it: how many are called right now,
+/// and how many wait out an outage of the destination uncharged (it is down, or was a moment
+/// ago), with the latest reason.
+#[derive(Debug, Serialize, sqlx::FromRow)]
+struct Destination {
+    destination: String,
+    pending: i64,
+    in_flight: i64,
+    waiting_out_outage: i64,
+    up: bool,
+    outage_reason: Option<String>,
 }
 
 /// Pending rows of one topic and the age of its oldest.
@@ -73,6 +87,23 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
     .bind(cap)
     .fetch_all(&mut *conn)
     .await?;
+    // From the dispatch pending index (topic, seq), at most `cap` rows per look.
+    let destinations = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT substr(topic, length('dispatch:') + 1) AS destination, count(*) AS pending, \
+                count(*) FILTER (WHERE lease IS NOT NULL AND next_attempt_at > now()) AS in_flight, \
+                count(*) FILTER (WHERE lease IS NULL AND last_error LIKE 'Outage (not charged)%') \
+                  AS waiting_out_outage, \
+                count(*) FILTER (WHERE lease IS NULL AND last_error LIKE 'Outage (not charged)%') = 0 AS up, \
+                (array_agg(last_error ORDER BY next_attempt_at DESC) \
+                   FILTER (WHERE lease IS NULL AND last_error LIKE 'Outage (not charged)%'))[1] \
+                  AS outage_reason \
+           FROM (SELECT topic, lease, next_attempt_at, last_error FROM {t} \
+                  WHERE status = 'pending' AND topic LIKE 'dispatch:%' ORDER BY topic, seq LIMIT $1) oldest \
+          GROUP BY topic ORDER BY topic"
+    )))
+    .bind(cap)
+    .fetch_all(&mut *conn)
+    .await?;
     let consumer_quarantined = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM (SELECT 1 FROM {q} LIMIT $1) capped"
     )))
@@ -107,6 +138,7 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
         quarantined: outbox.quarantined,
         consumer_quarantined,
         topics,
+        destinations,
         dedup: DedupSize {
             rows: consumers.iter().map(|c| c.rows).sum(),
             bytes,
@@ -137,6 +169,22 @@ fn print_text(s: &Status) {
             outbox_core::escape(&topic.topic).to_string(),
             capped(topic.pending),
             age(topic.oldest_pending_age_ms)
+        );
+    }
+    for d in &s.destinations {
+        println!(
+            "  destination {:<28} {:>8} pending, {} in flight, {}",
+            outbox_core::escape(&d.destination).to_string(),
+            capped(d.pending),
+            d.in_flight,
+            match &d.outage_reason {
+                Some(reason) if !d.up => format!(
+                    "DOWN: {} waiting out an outage uncharged ({})",
+                    d.waiting_out_outage,
+                    outbox_core::escape(reason)
+                ),
+                _ => "up".to_owned(),
+            }
         );
     }
     println!("relay quarantined    {}", capped(s.quarantined));

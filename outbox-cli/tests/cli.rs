@@ -98,6 +98,51 @@ async fn migrate_makes_the_dedup_slices_around_today() -> Result<()> {
     Ok(())
 }
 
+/// A destination whose calls all fail shows as down in `outbox status`, with its actions
+/// waiting out the outage uncharged and the reason; one that answers shows as up.
+#[tokio::test]
+async fn status_shows_a_dispatcher_destination_down_and_why() -> Result<()> {
+    use outbox_producer::dispatch::{Action, Dispatcher, DispatcherConfig, Outcome};
+    let db = TestDb::new().await?;
+    let mut tx = db.pool.begin().await?;
+    for (destination, key) in [
+        ("billing", "a"),
+        ("billing", "b"),
+        ("billing", "c"),
+        ("mail", "a"),
+    ] {
+        let action = NewEvent::new("task", key, "Do", &serde_json::json!({}))?
+            .for_dispatcher(destination)?;
+        outbox_producer::enqueue(&mut tx, &action).await?;
+    }
+    tx.commit().await?;
+    let refused = |_: Action| async { Outcome::retry("HTTP 503 Service Unavailable") };
+    Dispatcher::new(db.pool.clone(), DispatcherConfig::new("billing"), refused)?
+        .run_once()
+        .await?;
+    let (ok, stdout, stderr) = outbox(&db, &["status", "--json"])?;
+    assert!(ok, "{stderr}");
+    let status: serde_json::Value = serde_json::from_str(&stdout)?;
+    let destinations = status["destinations"].as_array().context("destinations")?;
+    assert_eq!(destinations.len(), 2, "{destinations:?}");
+    let billing = &destinations[0];
+    assert_eq!(billing["destination"], "billing");
+    assert_eq!(billing["up"], false);
+    assert_eq!(billing["waiting_out_outage"], 3);
+    assert!(
+        billing["outage_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("HTTP 503")),
+        "{billing}"
+    );
+    assert_eq!(destinations[1]["destination"], "mail");
+    assert_eq!(destinations[1]["up"], true);
+    let (ok, stdout, stderr) = outbox(&db, &["status"])?;
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("DOWN: 3 waiting out an outage"), "{stdout}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn status_reports_json_and_bad_arguments_fail_clearly() -> Result<()> {
     let db = TestDb::new().await?;

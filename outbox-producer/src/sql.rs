@@ -94,6 +94,9 @@ pub(crate) struct RelaySql {
     pub(crate) leased: bool,
     /// The lane's rows, as a predicate on `topic` (for its gauges).
     pub(crate) lane_rows: String,
+    /// A dispatcher's: gives up the pending actions older than `$1` ms among the oldest
+    /// 10,000 pending of its destination, unless a live lease holds them.
+    pub(crate) give_up_expired: SqlStr,
 }
 
 impl RelaySql {
@@ -106,6 +109,10 @@ impl RelaySql {
         let (mine, lock_ns) = match lane {
             LaneRows::Relay => ("NOT LIKE 'dispatch:%'".to_owned(), String::new()),
             LaneRows::Dispatch(topic) => (format!("= '{topic}'"), format!(" || '/{topic}'")),
+        };
+        let lane_e_plain = match lane {
+            LaneRows::Relay => "topic NOT LIKE 'dispatch:%'".to_owned(),
+            LaneRows::Dispatch(topic) => format!("topic LIKE 'dispatch:%' AND topic = '{topic}'"),
         };
         let lane_e = match lane {
             LaneRows::Relay => "e.topic NOT LIKE 'dispatch:%'".to_owned(),
@@ -235,7 +242,7 @@ impl RelaySql {
                         RETURNING e.seq, e.id, e.aggregatetype, e.aggregateid, e.type, \
                                e.payload::text AS payload, e.headers::text AS headers, e.topic, \
                                e.created_at, \
-                               e.attempts - CASE WHEN k.previous IS NULL THEN 1 ELSE 0 END AS attempts, \
+                               e.attempts - 1 AS attempts, \
                                e.calls - 1 AS calls, e.lease, k.previous IS NOT NULL AS orphaned) \
                      SELECT * FROM leased ORDER BY seq"
                 )),
@@ -272,7 +279,7 @@ impl RelaySql {
                     "UPDATE {table} AS e SET attempts = e.attempts + f.charge, status = f.status, \
                             next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond', \
                             last_error = COALESCE(f.error, e.last_error), \
-                            outcome = COALESCE(f.outcome::jsonb, e.outcome), \
+                            outcome = CASE WHEN f.error IS NULL THEN e.outcome ELSE f.outcome::jsonb END, \
                             calls = e.calls + f.calls, lease = NULL \
                      FROM unnest($1::bigint[], $2::text[], $3::float8[], $4::text[], $5::int[], \
                                  $6::text[], $7::uuid[], $8::int[]) \
@@ -281,6 +288,20 @@ impl RelaySql {
                 ),
             }),
             leased: matches!(lane, LaneRows::Dispatch(_)),
+            // The oldest pending actions by seq, from the dispatch pending index (0013): the
+            // expired ones are among them, and the scan stops at 10,000 whatever the backlog.
+            give_up_expired: sql(format!(
+                "UPDATE {table} AS e SET status = 'quarantined', lease = NULL, \
+                        last_error = 'Permanent: older than max_age, given up without a call: ' \
+                            || CASE WHEN e.calls > 0 THEN 'an earlier call may have applied it' \
+                                    ELSE 'it was never sent' END \
+                 FROM (SELECT seq FROM (SELECT seq, created_at FROM {table} \
+                                         WHERE status = 'pending' AND {lane_e_plain} \
+                                         ORDER BY seq LIMIT 10000) AS oldest \
+                       WHERE created_at < now() - $1 * interval '1 millisecond') AS x \
+                 WHERE e.seq = x.seq AND e.status = 'pending' \
+                   AND (e.lease IS NULL OR e.next_attempt_at <= now())"
+            )),
             lane_rows: format!("topic {mine}"),
         }
     }

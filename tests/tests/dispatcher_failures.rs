@@ -2,6 +2,7 @@
 //! API, rows another writer stored that serde_json cannot read, numbers past `f64`, and a
 //! schema or role that cannot record what the dispatcher would call.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -27,7 +28,8 @@ async fn a_whole_api_outage_quarantines_nothing_and_everything_is_done_after() -
         .collect::<Result<_>>()?;
     enqueue(&db, &events).await?;
     let up = Arc::new(AtomicBool::new(false));
-    let refused = Arc::new(AtomicUsize::new(0));
+    // Refusals per action.
+    let refused = Arc::new(std::sync::Mutex::new(HashMap::<String, usize>::new()));
     let ledger = Arc::new(Ledger::default());
     let executor = {
         let (up, refused, ledger) = (up.clone(), refused.clone(), ledger.clone());
@@ -37,7 +39,11 @@ async fn a_whole_api_outage_quarantines_nothing_and_everything_is_done_after() -
                 if up.load(Ordering::SeqCst) {
                     Outcome::done(ledger.apply(&action))
                 } else {
-                    refused.fetch_add(1, Ordering::SeqCst);
+                    *refused
+                        .lock()
+                        .expect("lock")
+                        .entry(action.idempotency_key())
+                        .or_default() += 1;
                     Outcome::retry("HTTP 503 Service Unavailable: upstream connect error")
                 }
             }
@@ -55,9 +61,10 @@ async fn a_whole_api_outage_quarantines_nothing_and_everything_is_done_after() -
         let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
         async move { dispatcher.run(shutdown).await }
     });
-    // Down, and probed again and again: past max_attempts for the probes' actions.
+    // Down, and probed again and again: an action refused more times than max_attempts.
     eventually("the destination down and probed", WAIT, || async {
-        Ok(!dispatcher.destination_up() && refused.load(Ordering::SeqCst) >= 40)
+        let most = refused.lock().expect("lock").values().max().copied();
+        Ok(!dispatcher.destination_up() && most.unwrap_or(0) > 3)
     })
     .await?;
     assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
@@ -232,5 +239,207 @@ async fn a_dispatcher_whose_role_cannot_write_its_columns_refuses_to_start() -> 
     drop(dispatcher);
     pool.close().await;
     roles.drop_all().await?;
+    Ok(())
+}
+
+/// Under a rate limit the calls of a claim queue for their turn: a lease ran out while its
+/// call still waited, so another claim took the action and it was called twice (and its
+/// record fenced out, every lease, until `max_age`). A claim now takes no more than the rate
+/// lets start well within a lease, and a call whose lease would end first is not made.
+#[tokio::test]
+async fn a_rate_limit_never_outlasts_a_lease_each_action_is_called_once() -> Result<()> {
+    let db = TestDb::new().await?;
+    let events: Vec<_> = (0..16)
+        .map(|k| action(&format!("k{k}"), 0))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &events).await?;
+    let ledger = Arc::new(Ledger::default());
+    let executor = {
+        let ledger = ledger.clone();
+        move |action: Action| {
+            let ledger = ledger.clone();
+            async move { Outcome::done(ledger.apply(&action)) }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config()
+            .max_rate(1.0)
+            .call_timeout(Duration::from_millis(500)),
+        executor,
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    eventually("every action done", WAIT, || async {
+        Ok(dispatched(&db).await? == 16)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    assert_eq!(ledger.charges(), 16);
+    assert_eq!(
+        ledger.calls.load(Ordering::SeqCst),
+        16,
+        "no action called twice"
+    );
+    Ok(())
+}
+
+/// `Retry-After: 99999999999999999999` (more seconds than a u64 holds) overflowed the
+/// deadline it was added to, panicking the key's task: the wait is cut to `max_age`.
+#[tokio::test]
+async fn an_absurd_retry_after_is_cut_to_max_age_and_panics_nothing() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?]).await?;
+    let executor =
+        |_: Action| async { Outcome::rate_limited("429", Some(Duration::from_secs(u64::MAX))) };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().max_age(Duration::from_secs(3600)),
+        executor,
+    )?;
+    assert_eq!(dispatcher.run_once().await?.waiting, 1);
+    let wait: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM next_attempt_at - now())::float8 FROM outbox_events",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    assert!(
+        (3500.0..=3700.0).contains(&wait),
+        "next attempt in {wait} s"
+    );
+    assert!(matches!(
+        outbox_tests::dispatch::state(&db, ids[0]).await?,
+        Some(outbox_producer::dispatch::ActionState::Pending { attempts: 0, .. })
+    ));
+    Ok(())
+}
+
+/// A result the database refuses (here a CHECK the application added) failed the record of
+/// every result batched with it, forever, while claims went on: the others are recorded,
+/// the refused one alone is left to its lease.
+#[tokio::test]
+async fn a_result_the_database_refuses_fails_alone() -> Result<()> {
+    let db = TestDb::new().await?;
+    let events: Vec<_> = (0..5)
+        .map(|k| action(&format!("k{k}"), k))
+        .collect::<Result<_>>()?;
+    enqueue(&db, &events).await?;
+    sqlx::query(
+        "ALTER TABLE outbox_events ADD CONSTRAINT no_poison \
+         CHECK (outcome IS NULL OR NOT outcome ? 'poison')",
+    )
+    .execute(&db.pool)
+    .await?;
+    // Every call answers at once, so that their results reach the recorder together.
+    let barrier = Arc::new(tokio::sync::Barrier::new(5));
+    let executor = {
+        let barrier = barrier.clone();
+        move |action: Action| {
+            let barrier = barrier.clone();
+            async move {
+                barrier.wait().await;
+                if action.key == "k0" {
+                    Outcome::done(json!({ "poison": true }))
+                } else {
+                    Outcome::done(json!({ "ok": true }))
+                }
+            }
+        }
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().call_timeout(Duration::from_secs(30)),
+        executor,
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    eventually("the others recorded", WAIT, || async {
+        Ok(dispatched(&db).await? == 4)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    Ok(())
+}
+
+/// Behind a quarantined action (`BlockKey`), a key's later actions were never claimed, so
+/// never reached `max_age`'s check: they stayed pending for good, to be called after the
+/// API forgot their keys if an operator requeued the first. They are given up `NeverSent`.
+#[tokio::test]
+async fn actions_no_claim_reaches_are_given_up_at_max_age() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?, action("k", 1)?]).await?;
+    sqlx::raw_sql(
+        "UPDATE outbox_events SET created_at = now() - interval '2 hours'; \
+         UPDATE outbox_events SET status = 'quarantined', last_error = 'Permanent: declined' \
+         WHERE seq = (SELECT min(seq) FROM outbox_events)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().max_age(Duration::from_secs(3600)),
+        |_: Action| async { Outcome::done(json!({})) },
+    )?;
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    eventually("the held action given up", WAIT, || async {
+        Ok(count_status(&db.pool, "quarantined").await? == 2)
+    })
+    .await?;
+    shutdown.cancel();
+    run.await??;
+    let state = outbox_tests::dispatch::state(&db, ids[1]).await?;
+    let Some(outbox_producer::dispatch::ActionState::NeverSent { reason }) = state else {
+        panic!("not never-sent: {state:?}");
+    };
+    assert!(reason.contains("max_age"), "{reason}");
+    Ok(())
+}
+
+/// A requeued rejection that then fails another way kept the old rejection's answer, so the
+/// agent read `Rejected`.
+#[tokio::test]
+async fn a_requeued_rejection_does_not_keep_its_old_answer() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?]).await?;
+    let rejected = Dispatcher::new(db.pool.clone(), config(), |_: Action| async {
+        Outcome::rejected("402", json!({ "error": "card_declined" }))
+    })?;
+    assert_eq!(rejected.run_once().await?.quarantined, 1);
+    let seqs: Vec<i64> = sqlx::query_scalar("SELECT seq FROM outbox_events")
+        .fetch_all(&db.pool)
+        .await?;
+    let mut conn = db.pool.acquire().await?;
+    outbox_producer::quarantine::requeue(
+        &mut conn,
+        &outbox_producer::TableNames::default(),
+        &seqs,
+        &outbox_core::ActionNote::new().reason("card replaced"),
+    )
+    .await?;
+    drop(conn);
+    let refused = Dispatcher::new(db.pool.clone(), config(), |_: Action| async {
+        Outcome::not_sent("the card API refuses this account")
+    })?;
+    assert_eq!(refused.run_once().await?.quarantined, 1);
+    let state = outbox_tests::dispatch::state(&db, ids[0]).await?;
+    assert!(
+        matches!(
+            state,
+            Some(outbox_producer::dispatch::ActionState::Unknown { .. })
+        ),
+        "{state:?}"
+    );
     Ok(())
 }

@@ -42,16 +42,14 @@ pub(crate) async fn run(args: Args) -> Result<()> {
         .max_in_flight(args.max_in_flight)
         .batch_size(args.batch_size)
         .call_timeout(Duration::from_millis(args.call_timeout_ms))
-        // Never quarantine for the API's faults: every committed action must be done.
-        .max_attempts(1_000_000)
+        // The default `max_attempts` (10): the API's outages, 503s and stalls are the
+        // destination's failures, never charged to an action, so every committed action must
+        // still end done (the checker counts one quarantined as lost).
         .backoff(Duration::from_millis(50), Duration::from_secs(1))
         .poll_interval(POLL)
         .shutdown_timeout(Duration::from_secs(5));
-    // One connection per batch run side by side (as many as the calls in flight fill, and
-    // one more), one to LISTEN.
-    let pool = args
-        .common
-        .pool(u32::try_from(args.max_in_flight.div_ceil(args.batch_size as usize))? + 2)?;
+    // One connection claims, one records, one LISTENs, and one for the gauges' query.
+    let pool = args.common.pool(4)?;
     // Connection refused (the API down) must read as an outage, not as a call without an
     // answer: the connect timeout stays below the call timeout.
     let client =

@@ -187,8 +187,8 @@ impl Outcome {
 ///
 /// The dispatcher calls it at least once per action; a call can be repeated after a timeout,
 /// a crash between the call and the record, or a shutdown during the call, always with the
-/// same [`Action::idempotency_key`]. It bounds each call by `call_timeout` and catches a
-/// panic (both count as [`Outcome::Retry`]).
+/// same [`Action::idempotency_key`]. It bounds each call by `call_timeout` (a timeout counts
+/// as [`Outcome::Retry`]) and catches a panic (the action's own failure, charged).
 pub trait Executor: Send + Sync + 'static {
     /// Performs `action` and says what became of it.
     fn execute(&self, action: Action) -> impl Future<Output = Outcome> + Send;

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::health::{Admission, Blame, Health};
 use super::{Action, DispatcherConfig, Executor, Outcome};
-use crate::lane::{Failed, Failure, OutboxRow, Verdict};
+use crate::lane::{Failed, Failure, LEASE_MARGIN, OutboxRow, Verdict};
 
 /// Where a key's verdicts go: the dispatcher's recorder.
 pub(crate) type Results = mpsc::UnboundedSender<(OutboxRow, Verdict)>;
@@ -32,6 +32,14 @@ pub(crate) struct Calls<E> {
     /// The injected crash fired: `run_once` records nothing of its batch, as a dead process.
     #[cfg(feature = "fault-injection")]
     pub(super) crashed: AtomicBool,
+}
+
+/// Where a row's lease ends: its claim's start, and its place in its key's run (1 for the
+/// first), each place adding a `call_timeout` to the lease.
+#[derive(Debug, Clone, Copy)]
+struct Lease {
+    claimed_at: Instant,
+    place: u32,
 }
 
 /// What became of one call.
@@ -68,12 +76,14 @@ impl<E: Executor> Calls<E> {
     pub(super) async fn run_chain(
         &self,
         rows: Vec<OutboxRow>,
+        claimed_at: Instant,
         expired: &CancellationToken,
         results: &Results,
     ) {
-        let mut rows = rows.into_iter();
-        for row in rows.by_ref() {
-            let Some(verdict) = self.perform(&row, expired).await else {
+        let mut rows = rows.into_iter().zip(1_u32..);
+        for (row, place) in rows.by_ref() {
+            let lease = Lease { claimed_at, place };
+            let Some(verdict) = self.perform(&row, lease, expired).await else {
                 // Recorded by nobody, as a crash there would: the lease runs out and the
                 // action is called again with the same key.
                 break;
@@ -88,9 +98,19 @@ impl<E: Executor> Calls<E> {
                 break;
             }
         }
-        for row in rows {
+        for (row, _) in rows {
             let _ = results.send((row, Verdict::Deferred));
         }
+    }
+
+    /// Whether a call of `lease`'s row, started now and lasting up to `call_timeout`, still
+    /// ends with time to record it before the lease does: after it, another dispatcher may
+    /// have taken the action over (a rate limit's wait, a `verify` and the calls before it in
+    /// its key's run all come out of the lease).
+    fn lease_allows_a_call(&self, lease: Lease) -> bool {
+        let timeout = self.config.call_timeout;
+        let ends = lease.claimed_at + timeout.saturating_mul(lease.place) + LEASE_MARGIN;
+        Instant::now() + timeout + LEASE_MARGIN / 2 <= ends
     }
 
     fn action(&self, row: &OutboxRow) -> Result<Action, Failed> {
@@ -117,7 +137,12 @@ impl<E: Executor> Calls<E> {
     }
 
     /// Performs one row: `None` only for an injected crash.
-    async fn perform(&self, row: &OutboxRow, expired: &CancellationToken) -> Option<Verdict> {
+    async fn perform(
+        &self,
+        row: &OutboxRow,
+        lease: Lease,
+        expired: &CancellationToken,
+    ) -> Option<Verdict> {
         let action = match self.action(row) {
             Ok(action) => action,
             Err(failed) => return Some(Verdict::Failed(failed)),
@@ -126,10 +151,13 @@ impl<E: Executor> Calls<E> {
             .to_std()
             .unwrap_or_default();
         if age > self.config.max_age {
-            return Some(self.give_up(row, &action, "older than max_age").await);
+            return Some(
+                self.give_up(row, &action, "older than max_age", expired)
+                    .await,
+            );
         }
         if row.orphaned
-            && let Some(Outcome::Done(answer)) = self.verify(&action).await
+            && let Some(Outcome::Done(answer)) = self.verify(&action, expired).await
         {
             // The dispatcher that leased it stopped during its call, which had applied it.
             return Some(Verdict::Done(Some(answer)));
@@ -143,6 +171,12 @@ impl<E: Executor> Calls<E> {
             started = self.health.start_call() => started,
             () = expired.cancelled() => return Some(Verdict::Deferred),
         };
+        // The rate limit's wait may have outlasted a pause asked for meanwhile, or the lease.
+        if matches!(self.health.admission(), Admission::PausedUntil(_))
+            || !self.lease_allows_a_call(lease)
+        {
+            return Some(Verdict::Deferred);
+        }
         let call = tokio::time::timeout(
             self.config.call_timeout,
             // Inside the async block, so that an executor that panics before it returns its
@@ -172,7 +206,7 @@ impl<E: Executor> Calls<E> {
                     && u32::try_from(row.attempts).unwrap_or(0) + 1
                         >= self.config.lane.max_attempts =>
             {
-                match self.verify(&action).await {
+                match self.verify(&action, expired).await {
                     Some(Outcome::Done(answer)) => Verdict::Done(Some(answer)),
                     _ => Verdict::Failed(failed),
                 }
@@ -185,14 +219,18 @@ impl<E: Executor> Calls<E> {
     fn judge(&self, row: &OutboxRow, started: Instant, call: Call) -> Verdict {
         let health = &self.health;
         let backoff_max = self.config.lane.backoff_max;
+        // A wait asked for is honoured in full, up to `max_age`: past it the action is given
+        // up anyway, and an absurd `Retry-After` must not overflow a deadline.
+        let max_wait = self.config.max_age;
         // A failure that every call of a failing destination gets: the action's only while
         // the destination answers others; a wait asked for past `backoff_max` is charged
         // nothing either way.
         let shared = |reason: String, after: Option<Duration>| {
+            let after = after.map(|a| a.min(max_wait));
             if let Some(after) = after {
                 health.wait_asked(after);
             }
-            let blame = health.failed(started, &reason);
+            let blame = health.failed(row.id, started, &reason);
             let kind = if blame == Blame::Action && after.is_none_or(|a| a <= backoff_max) {
                 Failure::Transient
             } else {
@@ -223,12 +261,13 @@ impl<E: Executor> Calls<E> {
                 None,
             ),
             Call::Answered(Outcome::Unavailable { reason }) => {
-                health.failed(started, &reason);
+                health.failed(row.id, started, &reason);
                 let mut failed = Failed::new(Failure::Outage, reason);
                 failed.unsent = true;
                 Verdict::Failed(failed)
             }
             Call::Answered(Outcome::RateLimited { reason, after }) => {
+                let after = after.map(|a| a.min(max_wait));
                 health.rate_limited(after);
                 let mut failed = Failed::new(Failure::Outage, reason);
                 failed.unsent = true;
@@ -253,9 +292,15 @@ impl<E: Executor> Calls<E> {
     /// Gives `row` up without calling it: done if the destination says its key was applied,
     /// otherwise quarantined (the agent reads `NeverSent` if no call was ever made, `Unknown`
     /// otherwise).
-    async fn give_up(&self, row: &OutboxRow, action: &Action, why: &str) -> Verdict {
+    async fn give_up(
+        &self,
+        row: &OutboxRow,
+        action: &Action,
+        why: &str,
+        expired: &CancellationToken,
+    ) -> Verdict {
         if (row.calls > 0 || row.orphaned)
-            && let Some(Outcome::Done(answer)) = self.verify(action).await
+            && let Some(Outcome::Done(answer)) = self.verify(action, expired).await
         {
             return Verdict::Done(Some(answer));
         }
@@ -273,13 +318,16 @@ impl<E: Executor> Calls<E> {
         Verdict::Failed(failed)
     }
 
-    /// The executor's [`Executor::verify`], bounded by `call_timeout`; `None` on a timeout or
-    /// a panic.
-    async fn verify(&self, action: &Action) -> Option<Outcome> {
+    /// The executor's [`Executor::verify`], bounded by `call_timeout` and shutdown's grace
+    /// period; `None` on a timeout or a panic.
+    async fn verify(&self, action: &Action, expired: &CancellationToken) -> Option<Outcome> {
         let verify = AssertUnwindSafe(async { self.executor.verify(action).await }).catch_unwind();
-        match tokio::time::timeout(self.config.call_timeout, verify).await {
-            Ok(Ok(found)) => found,
-            Ok(Err(_)) | Err(_) => None,
+        tokio::select! {
+            verified = tokio::time::timeout(self.config.call_timeout, verify) => match verified {
+                Ok(Ok(found)) => found,
+                Ok(Err(_)) | Err(_) => None,
+            },
+            () = expired.cancelled() => None,
         }
     }
 }

@@ -4,6 +4,10 @@ use outbox_core::TableNames;
 
 use crate::relay::{AfterPublish, QuarantinePolicy, RelayConfig};
 
+/// Longest [`DispatcherConfig::max_age`]: every wait a destination asks for is cut to
+/// `max_age`, and deadlines that far ahead stay representable.
+const MAX_AGE_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Largest [`DispatcherConfig::max_answer_bytes`].
 const MAX_ANSWER_BYTES: usize = 32 << 20;
 /// Largest `batch_size` x `max_answer_bytes`.
@@ -155,8 +159,8 @@ impl DispatcherConfig {
         {
             return bad("max_rate must be a positive number of calls per second".into());
         }
-        if self.max_age.is_zero() {
-            return bad("max_age must be more than zero".into());
+        if self.max_age.is_zero() || self.max_age > MAX_AGE_LIMIT {
+            return bad("max_age must be more than zero and at most 365 days".into());
         }
         if self.call_timeout.is_zero() {
             return bad("call_timeout must be more than zero".into());

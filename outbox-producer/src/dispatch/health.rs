@@ -10,6 +10,9 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use std::collections::HashMap;
+
+use outbox_core::EventId;
 use tokio::time::Instant;
 
 /// Failures in a row, with no success since the first of them started, after which the
@@ -74,7 +77,14 @@ struct State {
     window_start: Instant,
     window_calls: u32,
     last_window_calls: u32,
+    /// When each action's call last failed in a way blamed on the destination: a success
+    /// since then makes its next such failure its own (an action that fails alone while
+    /// the destination answers others now and then).
+    failed_before: HashMap<EventId, Instant>,
 }
+
+/// Most actions [`State::failed_before`] remembers; past it, it starts over.
+const REMEMBERED_FAILURES: usize = 10_000;
 
 /// The health and rate of one destination, shared by a dispatcher's calls.
 #[derive(Debug)]
@@ -109,6 +119,7 @@ impl Health {
                 window_start: now,
                 window_calls: 0,
                 last_window_calls: 0,
+                failed_before: HashMap::new(),
             }),
             ceiling: max_rate,
             backoff_base,
@@ -194,7 +205,7 @@ impl Health {
         if let Some(rate) = state.rate {
             // Additive increase: `INCREASE_PER_SECOND` of the last decrease's rate per second,
             // spread over the calls of that second.
-            let step = (state.rate_after_decrease * INCREASE_PER_SECOND).max(1.0) / rate;
+            let step = (state.rate_after_decrease * INCREASE_PER_SECOND) / rate;
             let mut raised = rate + step;
             if let Some(ceiling) = self.ceiling {
                 raised = raised.min(ceiling);
@@ -212,10 +223,18 @@ impl Health {
 
     /// A call that failed in a way every call of a failing destination does (a 5xx, a
     /// timeout, no connection): whose failure it is.
-    pub(crate) fn failed(&self, started: Instant, reason: &str) -> Blame {
+    pub(crate) fn failed(&self, action: EventId, started: Instant, reason: &str) -> Blame {
         let mut state = self.state();
         state.failures_in_a_row = state.failures_in_a_row.saturating_add(1);
-        if state.last_success.is_some_and(|at| at > started) {
+        if state.failed_before.len() >= REMEMBERED_FAILURES {
+            state.failed_before.clear();
+        }
+        let since = state
+            .failed_before
+            .insert(action, Instant::now())
+            .map_or(started, |before| before.min(started));
+        if state.last_success.is_some_and(|at| at > since) {
+            state.failed_before.remove(&action);
             return Blame::Action;
         }
         if state.down_since.is_some() {
@@ -271,7 +290,8 @@ impl Health {
                 .max(f64::from(state.window_calls) / elapsed.max(0.05));
             observed.max(MIN_RATE)
         });
-        let rate = (current * DECREASE).max(MIN_RATE);
+        let floor = self.ceiling.map_or(MIN_RATE, |c| c.min(MIN_RATE));
+        let rate = (current * DECREASE).max(floor);
         state.rate = Some(rate);
         state.rate_after_decrease = rate;
         tracing::debug!(
@@ -287,10 +307,16 @@ impl Health {
         state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
     }
 
-    /// The current rate limit (calls per second), if any.
-    #[cfg(test)]
-    fn rate(&self) -> Option<f64> {
-        self.state().rate
+    /// The current rate limit (calls per second), if any, and how far ahead the calls
+    /// already waiting for their turn have booked it.
+    pub(crate) fn rate(&self) -> Option<(f64, Duration)> {
+        let state = self.state();
+        state.rate.map(|rate| {
+            (
+                rate,
+                state.next_call.saturating_duration_since(Instant::now()),
+            )
+        })
     }
 }
 
@@ -308,9 +334,9 @@ mod tests {
         let started = h.start_call().await;
         tokio::time::advance(Duration::from_millis(5)).await;
         h.succeeded();
-        assert_eq!(h.failed(started, "503"), Blame::Action);
+        assert_eq!(h.failed(EventId::new(), started, "503"), Blame::Action);
         let later = h.start_call().await;
-        assert_eq!(h.failed(later, "503"), Blame::Destination);
+        assert_eq!(h.failed(EventId::new(), later, "503"), Blame::Destination);
         assert_eq!(
             h.admission(),
             Admission::Open,
@@ -319,11 +345,25 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn an_action_failing_alone_is_charged_once_others_succeeded_since_its_last_failure() {
+        let h = health(None);
+        let lonely = EventId::new();
+        let first = h.start_call().await;
+        assert_eq!(h.failed(lonely, first, "500"), Blame::Destination);
+        tokio::time::advance(Duration::from_millis(5)).await;
+        // Another action's call succeeds between its tries, none during its second.
+        h.succeeded();
+        tokio::time::advance(Duration::from_millis(5)).await;
+        let second = h.start_call().await;
+        assert_eq!(h.failed(lonely, second, "500"), Blame::Action);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn failures_in_a_row_take_the_destination_down_until_a_call_succeeds() {
         let h = health(None);
         for _ in 0..DOWN_AFTER {
             let started = h.start_call().await;
-            assert_eq!(h.failed(started, "503"), Blame::Destination);
+            assert_eq!(h.failed(EventId::new(), started, "503"), Blame::Destination);
         }
         assert!(matches!(h.admission(), Admission::PausedUntil(_)));
         assert!(h.reason().is_some());
@@ -334,7 +374,7 @@ mod tests {
             panic!("paused");
         };
         for _ in 0..20 {
-            h.failed(before, "503");
+            h.failed(EventId::new(), before, "503");
         }
         assert_eq!(h.admission(), Admission::PausedUntil(first));
         tokio::time::advance(PAUSE_MAX).await;
@@ -342,7 +382,7 @@ mod tests {
         // A failed probe waits longer before the next.
         h.probing();
         let probe = h.start_call().await;
-        h.failed(probe, "503");
+        h.failed(EventId::new(), probe, "503");
         let Admission::PausedUntil(next) = h.admission() else {
             panic!("paused after a failed probe");
         };
@@ -357,15 +397,15 @@ mod tests {
     async fn a_429_slows_down_then_the_rate_climbs_back_to_the_ceiling() {
         let h = health(Some(100.0));
         h.rate_limited(None);
-        let slowed = h.rate().expect("a rate");
+        let (slowed, _) = h.rate().expect("a rate");
         assert!((slowed - 85.0).abs() < 1e-9, "{slowed}");
         // A burst of 429s from calls already in flight decreases once.
         h.rate_limited(None);
-        assert_eq!(h.rate(), Some(slowed));
+        assert_eq!(h.rate().map(|(r, _)| r), Some(slowed));
         for _ in 0..10_000 {
             h.succeeded();
         }
-        assert_eq!(h.rate(), Some(100.0));
+        assert_eq!(h.rate().map(|(r, _)| r), Some(100.0));
     }
 
     #[tokio::test(start_paused = true)]

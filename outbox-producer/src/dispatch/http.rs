@@ -447,8 +447,8 @@ fn snippet(body: &Body) -> String {
 fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
-        // Too many digits for a u64: longer than any backoff (the dispatcher caps the wait at
-        // its `backoff_max`).
+        // Too many digits for a u64: longer than any wait (the dispatcher cuts what it is asked
+        // to wait to its `max_age`).
         return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
     }
     let at = httpdate::parse_http_date(value).ok()?;

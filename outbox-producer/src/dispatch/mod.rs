@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! agent's transaction:  UPDATE task ...; INSERT action (topic dispatch:billing)   -- atomic
-//! dispatcher:           claim → executor(action) → mark done + store the answer  -- one tx
+//! dispatcher:           claim + lease (commit) → executor(action) → record the answer (fenced)
 //! agent's next turn:    outcome(conn, tables, action id) → Done({"invoice_id": ...})
 //! ```
 //!
@@ -41,7 +41,10 @@
 //!   quarantines at once as never sent. A call is bounded by `call_timeout`, and a panic is
 //!   caught: a timeout counts as a retry, a panic as the action's own failure.
 //! - **Every action ends**: done, rejected, or given up after `max_attempts` charged
-//!   attempts or [`DispatcherConfig::max_age`] (23 h) after its decision, whichever first.
+//!   attempts or once [`DispatcherConfig::max_age`] (23 h) after its decision has passed,
+//!   whichever first (within a minute of it for an action no claim reaches: held behind a
+//!   quarantined one, or waiting out a pause). A wait a destination asks for is cut to
+//!   `max_age`.
 //!   [`outcome`] then tells [`ActionState::NeverSent`] (no call could have applied it: safe
 //!   to decide again) from [`ActionState::Unknown`] (a call may have applied it: ask the API
 //!   with the key). Before giving up an action that was called, the dispatcher asks
@@ -129,9 +132,8 @@ impl<E: Executor> std::fmt::Debug for Dispatcher<E> {
 }
 
 impl<E: Executor> Dispatcher<E> {
-    /// A dispatcher of `config.destination`'s actions. The pool needs a connection per batch
-    /// run side by side (`max_in_flight / batch_size`, rounded up, and one more) and one to
-    /// LISTEN: 4 with the defaults.
+    /// A dispatcher of `config.destination`'s actions. The pool needs 3 connections: one
+    /// claims, one records, one LISTENs (2 with `listen(false)`).
     pub fn new(pool: PgPool, config: DispatcherConfig, executor: E) -> Result<Self, ProducerError> {
         let topic = config.validate()?;
         let metrics = LaneMetrics {

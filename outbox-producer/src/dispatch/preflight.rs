@@ -24,6 +24,8 @@ const READS: &[&str] = &[
     "last_error",
     "lease",
     "calls",
+    // Read by the record of a released action, which keeps its outcome.
+    "outcome",
 ];
 
 /// Columns a dispatcher writes.
@@ -54,6 +56,7 @@ pub(crate) async fn check(conn: &mut PgConnection, table: &Ident) -> Result<(), 
     .await?;
     if !missing.is_empty() {
         let mut missing = missing;
+        missing.sort();
         missing.dedup();
         return Err(ProducerError::Config(format!(
             "the outbox table {table} lacks the column(s) {}: run the migrations first \

@@ -3,27 +3,37 @@
 //! in one transaction. A slow call holds its own slot and key, nothing else.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::Executor;
 use super::calls::{Calls, Results};
 use super::health::Admission;
 use crate::ProducerError;
-use crate::lane::{Grace, Lane, OutboxRow, Verdict, chains};
+use crate::lane::{Grace, LEASE_MARGIN, Lane, OutboxRow, Verdict, chains};
 use crate::relay::BatchReport;
 
 /// Most verdicts recorded in one transaction.
 const RECORD_BATCH: usize = 512;
 
+/// Failed tries of a batch's record before its verdicts are recorded one by one, so that one
+/// the database refuses fails alone.
+const RECORD_TRIES_TOGETHER: u32 = 3;
+
 /// Longest pause after a claim or a record failed (the database is unreachable).
 const RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// After shutdown's grace period, how long recording what was answered may still take.
+/// After shutdown's grace period, how long a claim or a record may still take.
 const SHUTDOWN_DB_MARGIN: Duration = Duration::from_millis(500);
+
+/// How often pending actions past `max_age` that no claim reaches (held behind a quarantined
+/// one, or waiting out a long pause) are given up.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 
 pub(super) type DispatchLane<E> = Lane<Calls<E>>;
 
@@ -37,16 +47,31 @@ fn by_key(rows: Vec<OutboxRow>) -> Vec<Vec<OutboxRow>> {
         .collect()
 }
 
+/// Notifies the claim loop when a key's task ends, however it ends (a panic included).
+struct Finished(Arc<Notify>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
+}
+
+/// What the key tasks of a dispatcher share.
+struct Keys<'a> {
+    tasks: &'a mut JoinSet<()>,
+    expired: &'a CancellationToken,
+    results: &'a Results,
+    finished: &'a Arc<Notify>,
+}
+
 /// Spawns a task per key of `rows`, each holding a call slot: `first` for the first key,
 /// then free ones (a claim never takes more rows than there were free slots).
 async fn spawn_keys<E: Executor>(
     lane: &Arc<DispatchLane<E>>,
     rows: Vec<OutboxRow>,
+    claimed_at: Instant,
     mut first: Option<OwnedSemaphorePermit>,
-    tasks: &mut JoinSet<()>,
-    expired: &CancellationToken,
-    results: &Results,
-    finished: &Arc<Notify>,
+    keys: &mut Keys<'_>,
 ) {
     for key in by_key(rows) {
         let permit = match first.take() {
@@ -60,27 +85,29 @@ async fn spawn_keys<E: Executor>(
                 Err(_) => return,
             },
         };
-        let (lane, expired, results, finished) = (
-            Arc::clone(lane),
-            expired.clone(),
-            results.clone(),
-            Arc::clone(finished),
-        );
-        tasks.spawn(async move {
-            lane.destination.run_chain(key, &expired, &results).await;
+        let (lane, expired, results) =
+            (Arc::clone(lane), keys.expired.clone(), keys.results.clone());
+        let finished = Finished(Arc::clone(keys.finished));
+        keys.tasks.spawn(async move {
+            let _finished = finished;
+            lane.destination
+                .run_chain(key, claimed_at, &expired, &results)
+                .await;
             drop(permit);
-            finished.notify_one();
         });
     }
 }
 
-/// Records verdicts as they arrive until every sender is gone, many per transaction. A
-/// record that fails is tried again until `give_up` (the dispatcher stopped for good): the
-/// actions then keep their leases, which run out, and are called again with the same key.
+/// Records verdicts as they arrive until every sender is gone, many per transaction; while a
+/// record fails, `failing` is set (and the claim loop claims nothing). A batch that fails
+/// [`RECORD_TRIES_TOGETHER`] times is recorded verdict by verdict; a verdict the database
+/// refuses alone is dropped (its action keeps its lease, which runs out: it is called again
+/// with the same key). Stops trying at `give_up` (the dispatcher stopped for good).
 async fn record_until_closed<E: Executor>(
     lane: Arc<DispatchLane<E>>,
     mut results: mpsc::UnboundedReceiver<(OutboxRow, Verdict)>,
     recorded: Arc<Notify>,
+    failing: Arc<AtomicBool>,
     give_up: CancellationToken,
 ) {
     while let Some(first) = results.recv().await {
@@ -94,14 +121,20 @@ async fn record_until_closed<E: Executor>(
         let (rows, verdicts): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
         let mut failures = 0_u32;
         loop {
+            if failures >= RECORD_TRIES_TOGETHER && rows.len() > 1 {
+                record_one_by_one(&lane, &rows, verdicts, &give_up).await;
+                break;
+            }
             match lane.record_leased(&rows, verdicts.clone()).await {
                 Ok(_) => break,
                 Err(error) => {
+                    failing.store(true, Ordering::SeqCst);
                     failures = failures.saturating_add(1);
                     let delay =
                         outbox_core::backoff(lane.config.backoff_base, RETRY_MAX, failures - 1);
                     tracing::warn!(%error, retry_in = ?delay, actions = rows.len(), "cannot record dispatched actions; trying again");
                     tokio::select! {
+                        biased;
                         () = give_up.cancelled() => {
                             tracing::warn!(actions = rows.len(), "shutdown: results not recorded; their actions are called again, same key, once their leases end");
                             break;
@@ -111,7 +144,27 @@ async fn record_until_closed<E: Executor>(
                 }
             }
         }
+        failing.store(false, Ordering::SeqCst);
         recorded.notify_one();
+    }
+}
+
+async fn record_one_by_one<E: Executor>(
+    lane: &DispatchLane<E>,
+    rows: &[OutboxRow],
+    verdicts: Vec<Verdict>,
+    give_up: &CancellationToken,
+) {
+    for (row, verdict) in rows.iter().zip(verdicts) {
+        if give_up.is_cancelled() {
+            return;
+        }
+        if let Err(error) = lane
+            .record_leased(std::slice::from_ref(row), vec![verdict])
+            .await
+        {
+            tracing::error!(%error, event_id = %row.id, "the database refuses this action's result; it is called again, same key, once its lease ends");
+        }
     }
 }
 
@@ -121,6 +174,7 @@ pub(super) async fn run_once<E: Executor>(
     lane: &Arc<DispatchLane<E>>,
 ) -> Result<BatchReport, ProducerError> {
     let calls = &lane.destination;
+    let claimed_at = Instant::now();
     let rows = lane
         .claim_leased(lane.config.batch_size, calls.config.call_timeout)
         .await?;
@@ -128,7 +182,13 @@ pub(super) async fn run_once<E: Executor>(
     let mut tasks = JoinSet::new();
     let expired = CancellationToken::new();
     let finished = Arc::new(Notify::new());
-    spawn_keys(lane, rows, None, &mut tasks, &expired, &results, &finished).await;
+    let mut keys = Keys {
+        tasks: &mut tasks,
+        expired: &expired,
+        results: &results,
+        finished: &finished,
+    };
+    spawn_keys(lane, rows, claimed_at, None, &mut keys).await;
     drop(results);
     while let Some(joined) = tasks.join_next().await {
         if let Err(e) = joined
@@ -138,10 +198,7 @@ pub(super) async fn run_once<E: Executor>(
         }
     }
     #[cfg(feature = "fault-injection")]
-    if calls
-        .crashed
-        .swap(false, std::sync::atomic::Ordering::SeqCst)
-    {
+    if calls.crashed.swap(false, Ordering::SeqCst) {
         // Nothing of the batch recorded, as a process dead after its calls: the actions keep
         // their leases, and are called again with the same keys once those end.
         return Err(ProducerError::InjectedFault(
@@ -161,6 +218,43 @@ pub(super) async fn run_once<E: Executor>(
     Ok(report)
 }
 
+/// Runs `work` on a task of its own; until shutdown it runs to the end, after it, until the
+/// grace period's end and [`SHUTDOWN_DB_MARGIN`]. A statement is never cancelled midway (a
+/// future dropped inside `begin()` or a query can pool a connection with its transaction
+/// open): one the database does not answer is left to its task. `None` if it was left.
+async fn bounded<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+    expired: &CancellationToken,
+) -> Option<T> {
+    let mut task = tokio::spawn(work);
+    let deadline = async {
+        expired.cancelled().await;
+        tokio::time::sleep(SHUTDOWN_DB_MARGIN).await;
+    };
+    tokio::select! {
+        joined = &mut task => match joined {
+            Ok(result) => Some(result),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => None,
+        },
+        () = deadline => None,
+    }
+}
+
+/// Most actions one claim may take: what the destination admits, the free call slots, and,
+/// under a rate limit, what the limit lets start well within a lease, after the calls
+/// already booked (`rate`: calls per second, and how far ahead they are booked). 0 when the
+/// calls booked already reach that far.
+fn claim_size(limit: u32, free: usize, rate: Option<(f64, Duration)>) -> u32 {
+    let free = u32::try_from(free).unwrap_or(u32::MAX);
+    let by_rate = rate.map_or(u32::MAX, |(rate, booked)| {
+        let window = (LEASE_MARGIN / 2).saturating_sub(booked);
+        // Saturating float-to-int cast.
+        (rate * window.as_secs_f64()) as u32
+    });
+    limit.min(free).min(by_rate)
+}
+
 /// Runs until `shutdown`: see [`super::Dispatcher::run`].
 pub(super) async fn run<E: Executor>(
     lane: &Arc<DispatchLane<E>>,
@@ -177,23 +271,63 @@ pub(super) async fn run<E: Executor>(
     let mut woken = wake_ups.woken.clone();
     let (results, received) = mpsc::unbounded_channel();
     let recorded = Arc::new(Notify::new());
+    let failing = Arc::new(AtomicBool::new(false));
     let give_up = CancellationToken::new();
-    let recorder = tokio::spawn(record_until_closed(
+    let mut recorder = tokio::spawn(record_until_closed(
         Arc::clone(lane),
         received,
         Arc::clone(&recorded),
+        Arc::clone(&failing),
         give_up.clone(),
     ));
     let finished = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
     let mut failures = 0_u32;
     let max_in_flight = calls.config.max_in_flight;
+    let mut last_sweep: Option<Instant> = None;
     loop {
         // Reap the keys that finished (their slots are free already).
-        while tasks.try_join_next().is_some() {}
+        while let Some(joined) = tasks.try_join_next() {
+            if let Err(e) = joined
+                && e.is_panic()
+            {
+                tracing::error!(
+                    "a dispatcher task panicked; its actions are called again once their leases end"
+                );
+            }
+        }
+        if stop.is_cancelled() {
+            break;
+        }
+        if last_sweep.is_none_or(|at| at.elapsed() >= SWEEP_INTERVAL) {
+            last_sweep = Some(Instant::now());
+            let sweep = {
+                let lane = Arc::clone(lane);
+                let max_age = calls.config.max_age;
+                async move { lane.give_up_expired(max_age).await }
+            };
+            match bounded(sweep, &grace.expired).await {
+                Some(Ok(0)) | None => {}
+                Some(Ok(n)) => tracing::warn!(
+                    actions = n,
+                    "gave up pending actions older than max_age that no claim reached"
+                ),
+                Some(Err(error)) => tracing::warn!(%error, "cannot give up expired actions"),
+            }
+        }
+        // While results cannot be recorded, a claim would only lease more to call again.
+        if failing.load(Ordering::SeqCst) {
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                () = recorded.notified() => continue,
+                () = tokio::time::sleep(RETRY_MAX) => continue,
+            }
+        }
         let limit = match calls.health.admission() {
             Admission::PausedUntil(until) => {
                 tokio::select! {
+                    biased;
                     () = stop.cancelled() => break,
                     () = tokio::time::sleep_until(until) => continue,
                 }
@@ -201,6 +335,7 @@ pub(super) async fn run<E: Executor>(
             // Down: one action probes it, once no other call is in flight.
             Admission::Probe if calls.in_flight.available_permits() < max_in_flight => {
                 tokio::select! {
+                    biased;
                     () = stop.cancelled() => break,
                     () = finished.notified() => continue,
                 }
@@ -209,6 +344,7 @@ pub(super) async fn run<E: Executor>(
             Admission::Open => config.batch_size,
         };
         let first = tokio::select! {
+            biased;
             () = stop.cancelled() => break,
             permit = Arc::clone(&calls.in_flight).acquire_owned() => match permit {
                 Ok(permit) => permit,
@@ -225,52 +361,74 @@ pub(super) async fn run<E: Executor>(
         if still == Admission::Probe {
             calls.health.probing();
         }
-        let free = u32::try_from(1 + calls.in_flight.available_permits()).unwrap_or(u32::MAX);
-        let n = limit.min(free);
-        // A claim holds no transaction past its own statement, and is never dropped midway
-        // (see pitfalls: a future cancelled inside `begin()` can pool an open transaction).
-        let claimed = lane.claim_leased(n, calls.config.call_timeout).await;
-        let rows = match claimed {
-            Ok(rows) => {
+        let n = claim_size(
+            limit,
+            1 + calls.in_flight.available_permits(),
+            calls.health.rate(),
+        );
+        if n == 0 {
+            // The rate limit's turns are booked half a lease ahead: claim once they drain.
+            drop(first);
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep(Duration::from_millis(100)) => continue,
+            }
+        }
+        let claimed_at = Instant::now();
+        let claim = {
+            let lane = Arc::clone(lane);
+            let call_timeout = calls.config.call_timeout;
+            async move { lane.claim_leased(n, call_timeout).await }
+        };
+        let rows = match bounded(claim, &grace.expired).await {
+            None => break,
+            Some(Ok(rows)) => {
                 failures = 0;
                 rows
             }
-            Err(error) => {
+            Some(Err(error)) => {
                 drop(first);
                 failures = failures.saturating_add(1);
                 let delay = outbox_core::backoff(config.backoff_base, RETRY_MAX, failures - 1);
                 tracing::warn!(%error, retry_in = ?delay, "dispatcher claim failed");
                 tokio::select! {
+                    biased;
                     () = stop.cancelled() => break,
                     () = tokio::time::sleep(delay) => continue,
                 }
             }
         };
         let full = rows.len() >= n as usize;
+        if stop.is_cancelled() {
+            // Claimed as shutdown came: released untried.
+            for row in rows {
+                let _ = results.send((row, Verdict::Deferred));
+            }
+            break;
+        }
         if rows.is_empty() {
             drop(first);
         } else {
-            spawn_keys(
-                lane,
-                rows,
-                Some(first),
-                &mut tasks,
-                &grace.expired,
-                &results,
-                &finished,
-            )
-            .await;
+            let mut keys = Keys {
+                tasks: &mut tasks,
+                expired: &grace.expired,
+                results: &results,
+                finished: &finished,
+            };
+            spawn_keys(lane, rows, claimed_at, Some(first), &mut keys).await;
         }
         if full {
             continue;
         }
         tokio::select! {
+            biased;
             () = stop.cancelled() => break,
-            () = tokio::time::sleep(config.poll_interval) => {}
             // A commit notified since the last look (also during the claim).
             _ = woken.changed() => {}
             // Recorded verdicts free a key's later actions, and released ones.
             () = recorded.notified() => {}
+            () = tokio::time::sleep(config.poll_interval) => {}
         }
     }
     // Shutdown: the keys in flight end by the grace period's end at the latest (a call
@@ -283,13 +441,31 @@ pub(super) async fn run<E: Executor>(
         grace.expired.cancelled().await;
         tokio::time::sleep(SHUTDOWN_DB_MARGIN).await;
     };
-    let mut recorder = recorder;
     tokio::select! {
         _ = &mut recorder => {}
         () = deadline => {
+            // Left to finish on its own: what it has not recorded keeps its lease.
             give_up.cancel();
-            let _ = recorder.await;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_takes_no_more_than_slots_and_the_rate_allow() {
+        assert_eq!(claim_size(32, 64, None), 32);
+        assert_eq!(claim_size(32, 5, None), 5);
+        assert_eq!(claim_size(1, 64, None), 1);
+        // At 1 call/s, no more than start within half the lease's margin, after the calls
+        // already booked.
+        let now = Duration::ZERO;
+        assert_eq!(claim_size(32, 64, Some((1.0, now))), 5);
+        assert_eq!(claim_size(32, 64, Some((1.0, Duration::from_secs(3)))), 2);
+        assert_eq!(claim_size(32, 64, Some((1.0, Duration::from_secs(9)))), 0);
+        assert_eq!(claim_size(32, 64, Some((100.0, now))), 32);
+    }
 }

@@ -37,6 +37,17 @@ impl<D> Lane<D> {
         Ok(rows)
     }
 
+    /// Gives up the pending rows older than `max_age` that no live lease holds (the ones held
+    /// behind a quarantined row of their key, or waiting out a long pause, which no claim
+    /// reaches): quarantined without a call. Returns how many.
+    pub(crate) async fn give_up_expired(&self, max_age: Duration) -> Result<u64, ProducerError> {
+        Ok(sqlx::query(self.sql.give_up_expired.clone())
+            .bind(millis(max_age))
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
+    }
+
     /// Records the verdicts of leased rows, in a transaction of its own.
     pub(crate) async fn record_leased(
         &self,

@@ -1,9 +1,11 @@
 //! What the relay and the dispatcher share: claiming a batch of due pending rows of one lane
 //! (the relay's: every topic but `dispatch:...`; a dispatcher's: its `dispatch:<destination>`)
-//! with per-key hold-back, handing it to a [`Destination`], recording each row's
-//! [`Verdict`] in the claim's transaction (done, retried with backoff, quarantined, waiting
-//! out an outage, untouched), and the run loop around it (NOTIFY wake-up, polling, pausing
-//! while the destination does not answer, bounded shutdown, gauges).
+//! with per-key hold-back, handing it to a [`Destination`] (the relay's batch, in the claim's
+//! transaction) or leasing it (a dispatcher's, committed at once, its verdicts recorded
+//! later, fenced by the lease), recording each row's [`Verdict`] (done, retried with backoff,
+//! quarantined, waiting out an outage, untouched or released), and the relay's run loop
+//! around it (NOTIFY wake-up, polling, pausing while the destination does not answer, bounded
+//! shutdown, gauges).
 //!
 //! A lane's per-key order holds against the rows of its own lane: a relay and a dispatcher
 //! serving one table never hold each other's keys back.
@@ -25,6 +27,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 pub(crate) use grace::Grace;
+pub(crate) use lease::LEASE_MARGIN;
 pub(crate) use record::outage_wait;
 #[cfg(test)]
 pub(crate) use row::test_row;

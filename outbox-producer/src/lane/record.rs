@@ -1,7 +1,8 @@
-//! Recording a batch's verdicts on the claim's transaction: done rows are marked published
-//! (or deleted) with the destination's answer, the rows' own failures are charged an attempt
-//! or quarantined, rows caught in an outage wait with no attempt charged, and rows the
-//! destination did not answer for are left exactly as they were.
+//! Recording verdicts: done rows are marked published (or deleted) with the destination's
+//! answer, the rows' own failures are charged an attempt or quarantined, rows caught in an
+//! outage wait with no attempt charged, and rows the destination did not answer for are left
+//! as they were (the relay's, in the claim's transaction) or released uncharged (a
+//! dispatcher's leased rows, in a transaction of their own, fenced by the lease).
 
 use std::time::Duration;
 

@@ -125,11 +125,6 @@ struct Calling {
 
 impl Executor for Calling {
     async fn execute(&self, action: Action) -> Outcome {
-        if self.crash == Some(DispatchCrash::AfterCall) {
-            // The answer is here; the process dies before the dispatcher records it.
-            let _answered = self.http.execute(action).await;
-            die(DispatchCrash::AfterCall);
-        }
         if self.crash != Some(DispatchCrash::DuringCall) {
             return self.http.execute(action).await;
         }
@@ -194,6 +189,13 @@ pub async fn worker(pool: PgPool, billing_url: &str, crash: Option<DispatchCrash
         .call_timeout(Duration::from_secs(2))
         .backoff(Duration::from_millis(100), Duration::from_secs(1));
     let dispatcher = Dispatcher::new(pool.clone(), config, executor)?;
+    if crash == Some(DispatchCrash::AfterCall) {
+        dispatcher.crash_after_next_call();
+        if dispatcher.run_once().await.is_err() {
+            die(DispatchCrash::AfterCall);
+        }
+        bail!("the dispatcher was meant to crash after its call");
+    }
     let shutdown = CancellationToken::new();
     let running = tokio::spawn({
         let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());

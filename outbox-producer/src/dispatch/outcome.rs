@@ -13,7 +13,7 @@ use crate::ProducerError;
 pub enum ActionState {
     /// Not performed yet: waiting for its turn, its call in flight, or waiting for a retry.
     Pending {
-        /// Attempts charged so far.
+        /// Attempts charged so far (a call in flight counts once it failed).
         attempts: u32,
         /// Why the last attempt failed, if one did.
         last_error: Option<String>,
@@ -60,7 +60,8 @@ pub async fn outcome(
     // status, attempts, calls, last_error, outcome (as text: parsed here, for this row alone)
     type Row = (String, i32, i32, Option<String>, Option<String>);
     let row: Option<Row> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT status, attempts, calls, last_error, outcome::text FROM {t} \
+        "SELECT status, attempts - CASE WHEN lease IS NULL THEN 0 ELSE 1 END, calls, \
+                last_error, outcome::text FROM {t} \
              WHERE id = $1 AND topic LIKE 'dispatch:%' ORDER BY seq DESC LIMIT 1"
     )))
     .bind(id)

@@ -37,7 +37,10 @@ pub fn consumer_config(bootstrap_servers: &str, group_id: &str) -> ClientConfig 
     config
         .set("bootstrap.servers", bootstrap_servers)
         .set("group.id", group_id)
-        .set("auto.offset.reset", "earliest");
+        .set("auto.offset.reset", "earliest")
+        // librdkafka's default, pinned: a commit written behind an unacknowledged fetch must
+        // not wait for the broker's delayed ACK.
+        .set("socket.nagle.disable", "true");
     enforce_required(&mut config);
     config
 }

@@ -443,3 +443,59 @@ async fn a_requeued_rejection_does_not_keep_its_old_answer() -> Result<()> {
     );
     Ok(())
 }
+
+/// An executor that can ask the API what became of a key: the billing ledger's answer.
+struct Verifying {
+    ledger: Arc<Ledger>,
+    executed: Arc<AtomicUsize>,
+}
+
+impl outbox_producer::dispatch::Executor for Verifying {
+    async fn execute(&self, action: Action) -> Outcome {
+        self.executed.fetch_add(1, Ordering::SeqCst);
+        Outcome::done(self.ledger.apply(&action))
+    }
+
+    async fn verify(&self, action: &Action) -> Option<Outcome> {
+        let applied = self.ledger.applied.lock().expect("lock");
+        applied
+            .get(&action.idempotency_key())
+            .map(|answer| Outcome::done(answer.clone()))
+    }
+}
+
+/// A dispatcher that died after its call leaves the action leased; the one that takes it
+/// over asks the executor's `verify` first, finds it applied, and records that answer
+/// without calling again.
+#[tokio::test]
+async fn an_action_a_dead_dispatcher_called_is_verified_not_called_again() -> Result<()> {
+    let db = TestDb::new().await?;
+    let ids = enqueue(&db, &[action("k", 0)?]).await?;
+    let (ledger, executed) = (Arc::new(Ledger::default()), Arc::new(AtomicUsize::new(0)));
+    let executor = Verifying {
+        ledger: ledger.clone(),
+        executed: executed.clone(),
+    };
+    let dispatcher = Dispatcher::new(
+        db.pool.clone(),
+        config().call_timeout(Duration::from_millis(500)),
+        executor,
+    )?;
+    dispatcher.crash_after_next_call();
+    assert!(dispatcher.run_once().await.is_err(), "the injected crash");
+    eventually("taken over once its lease ended", WAIT, || async {
+        Ok(dispatcher.run_once().await?.published == 1)
+    })
+    .await?;
+    assert_eq!(
+        executed.load(Ordering::SeqCst),
+        1,
+        "called once, verified after"
+    );
+    let state = outbox_tests::dispatch::state(&db, ids[0]).await?;
+    let Some(outbox_producer::dispatch::ActionState::Done(answer)) = state else {
+        panic!("not done: {state:?}");
+    };
+    assert_eq!(answer["charge"], "ch_1");
+    Ok(())
+}

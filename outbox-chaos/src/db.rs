@@ -89,6 +89,18 @@ CREATE TABLE chaos_action_state (
 );
 ";
 
+/// Terminates the dispatchers' connections to `database` (their `application_name` is their
+/// label, `dispatcher-...`). Returns how many were terminated.
+pub(crate) async fn terminate_dispatchers(admin: &PgPool, database: &str) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = $1 AND application_name LIKE 'dispatcher%'",
+    )
+    .bind(database)
+    .fetch_one(admin)
+    .await?)
+}
+
 /// A database made for one run.
 #[derive(Debug)]
 pub(crate) struct ChaosDb {
@@ -151,6 +163,11 @@ impl ChaosDb {
         .bind(ORCHESTRATOR_APP)
         .fetch_one(&self.admin)
         .await?)
+    }
+
+    /// What [`terminate_dispatchers`] needs, for a task of its own.
+    pub(crate) fn admin(&self) -> (PgPool, String) {
+        (self.admin.clone(), self.name.clone())
     }
 
     /// Drops the database (after a passing run).

@@ -186,10 +186,23 @@ async fn run_one(
     let supervising = CancellationToken::new();
     let supervisor = tokio::spawn(supervise(Arc::clone(&fleet), supervising.clone()));
 
-    Chaos::new(&fleet, &mut broker, &db, profile, &topic, GROUP_A, seed)
+    // The dispatchers' connections cut twice a second through the fault phase: a lease must
+    // hold across a claim or a record cut midway.
+    let fault_phase = CancellationToken::new();
+    let terminator = profile.dispatch.is_some().then(|| {
+        let (admin, database) = db.admin();
+        tokio::spawn(terminate_dispatchers(admin, database, fault_phase.clone()))
+    });
+    let faults = Chaos::new(&fleet, &mut broker, &db, profile, &topic, GROUP_A, seed)
         .with_api(api.as_ref())
         .run()
-        .await?;
+        .await;
+    fault_phase.cancel();
+    if let Some(terminator) = terminator {
+        let rounds = terminator.await?;
+        lock(&fleet).counts.add(Kind::DispatcherPgTerminate, rounds);
+    }
+    faults?;
     let groups = [GROUP_A.to_owned(), GROUP_B.to_owned()];
     let figures = match long_faults {
         Some(plan) => {
@@ -424,4 +437,24 @@ async fn finish(clean: bool, db: ChaosDb, own_pg: Option<&mut LocalPg>, dir: &Pa
         std::fs::remove_dir_all(dir)?;
     }
     Ok(())
+}
+
+/// Terminates the dispatchers' connections every 500 ms until `stop`; returns the rounds that
+/// found any.
+async fn terminate_dispatchers(admin: PgPool, database: String, stop: CancellationToken) -> u64 {
+    let mut rounds = 0;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return rounds,
+            () = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        match crate::db::terminate_dispatchers(&admin, &database).await {
+            Ok(0) => {}
+            Ok(n) => {
+                rounds += 1;
+                tracing::debug!(terminated = n, "fault: the dispatchers' connections terminated");
+            }
+            Err(error) => tracing::warn!(%error, "cannot terminate the dispatchers' connections"),
+        }
+    }
 }

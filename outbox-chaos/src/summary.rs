@@ -58,10 +58,13 @@ pub(crate) enum Kind {
     /// The billing API applying charges and then holding their responses back past the
     /// dispatchers' `call_timeout`.
     ApiStall,
+    /// The dispatchers' PostgreSQL connections terminated, twice a second through the fault
+    /// phase (counted per round that found any).
+    DispatcherPgTerminate,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 23] = [
+    pub(crate) const ALL: [Self; 24] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -85,6 +88,7 @@ impl Kind {
         Self::ActionWriterKill,
         Self::ApiOutage,
         Self::ApiStall,
+        Self::DispatcherPgTerminate,
     ];
 
     /// The long faults, whose liveness figures the summary reports.
@@ -123,6 +127,7 @@ impl Kind {
             Self::ActionWriterKill => "action_writer_kill9",
             Self::ApiOutage => "api_outage",
             Self::ApiStall => "api_stall",
+            Self::DispatcherPgTerminate => "dispatcher_pg_terminate",
         }
     }
 
@@ -137,6 +142,7 @@ impl Kind {
                 | Self::TopicRecreate
                 | Self::ApiOutage
                 | Self::ApiStall
+                | Self::DispatcherPgTerminate
         )
     }
 }

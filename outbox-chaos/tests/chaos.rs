@@ -143,6 +143,7 @@ fn ci_profile_keeps_every_guarantee_under_fifty_kill_cycles() {
         "dispatcher_after_call",
         "api_outage",
         "api_stall",
+        "dispatcher_pg_terminate",
     ] {
         assert!(
             number(&fields, fault) >= 1,

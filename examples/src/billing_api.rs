@@ -13,7 +13,9 @@
 //!     `Idempotent-Replayed: true`, and no new charge;
 //!   - the same key with a different body: 422;
 //!   - the same key while the first request is still being processed: 409 (retry later);
-//!   - a body that is not such JSON: 400.
+//!   - a body that is not such JSON: 400;
+//!   - beyond the rate limit ([`BillingApi::rate_limit`]), whatever the key: 429
+//!     (`{"error": "rate_limited", ...}`, no `Retry-After`), nothing applied or stored.
 //! - `GET /charges`: the ledger, as a JSON array of [`Charge`].
 //!
 //! # Test knobs
@@ -21,9 +23,10 @@
 //! the charge is applied), [`BillingApi::fail_rate`] (503 before applying),
 //! [`BillingApi::apply_then_stall`] (apply, store the response, then hold it back),
 //! [`BillingApi::reject_invoice`] (402), [`BillingApi::delay_invoice`],
+//! [`BillingApi::rate_limit`] (429 beyond a number of charge requests per second),
 //! [`BillingApi::stop`] / [`BillingApi::restart`] (the same port; connections are refused
-//! while stopped). A 503 or a 402 is not stored: the key stays free, as if the request had
-//! not come.
+//! while stopped). A 503, a 402 or a 429 is not stored: the key stays free, as if the request
+//! had not come.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -44,11 +47,16 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// How long [`BillingApi::apply_then_stall`] holds a response back: longer than any client's
 /// timeout (the request is cut when its client gives up, or when the service stops).
 pub const STALL: Duration = Duration::from_secs(3600);
+
+/// The burst [`BillingApi::rate_limit`] lets through at once: this long's worth of requests
+/// (at least one).
+pub const BURST: Duration = Duration::from_millis(50);
 
 /// One applied charge: a line of the ledger.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,6 +80,8 @@ pub struct Requests {
     pub total: u64,
     /// Per `Idempotency-Key`.
     pub by_key: HashMap<String, u64>,
+    /// Those answered 429 by the rate limit ([`BillingApi::rate_limit`]).
+    pub rate_limited: u64,
 }
 
 impl Requests {
@@ -97,6 +107,43 @@ struct Knobs {
     stall: u32,
     rejected: HashSet<String>,
     delays: HashMap<String, Duration>,
+    rate_limit: Option<Bucket>,
+}
+
+/// The rate limit: a token bucket over every `POST /charges`.
+#[derive(Debug)]
+struct Bucket {
+    per_second: f64,
+    /// The most tokens it holds: the burst it lets through at once.
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(per_second: f64) -> Self {
+        let burst = (per_second * BURST.as_secs_f64()).ceil().max(1.0);
+        Self {
+            per_second,
+            burst,
+            tokens: burst,
+            at: Instant::now(),
+        }
+    }
+
+    /// Takes a token if there is one.
+    fn take(&mut self) -> bool {
+        let now = Instant::now();
+        let refill = now.duration_since(self.at).as_secs_f64() * self.per_second;
+        self.tokens = (self.tokens + refill).min(self.burst);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -197,6 +244,19 @@ impl BillingApi {
         } else {
             ledger.knobs.delays.insert(invoice.into(), delay);
         }
+    }
+
+    /// Limits the `POST /charges` requests the service takes to `per_second` (a token bucket
+    /// over all of them, whatever their key, with a burst of [`BURST`]'s worth, at least one;
+    /// `GET /charges` is not limited); each request beyond it is answered at once
+    /// `429 Too Many Requests`
+    /// (`{"error": "rate_limited", ...}`, no `Retry-After`), nothing applied or stored, its
+    /// key left free. `None` (or a rate that is not a positive number) lifts the limit; a new
+    /// limit starts with a full burst.
+    pub fn rate_limit(&self, per_second: Option<f64>) {
+        self.service.ledger().knobs.rate_limit = per_second
+            .filter(|rate| rate.is_finite() && *rate > 0.0)
+            .map(Bucket::new);
     }
 
     /// Stops the service as a crash would: the listener is closed (connections are refused
@@ -342,6 +402,22 @@ async fn charge(State(service): State<Arc<Service>>, headers: HeaderMap, body: B
     let wait = {
         let mut ledger = service.ledger();
         ledger.requests.total += 1;
+        if let Some(key) = &key {
+            *ledger.requests.by_key.entry(key.clone()).or_default() += 1;
+        }
+        if ledger
+            .knobs
+            .rate_limit
+            .as_mut()
+            .is_some_and(|bucket| !bucket.take())
+        {
+            ledger.requests.rate_limited += 1;
+            return error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "too many requests; nothing was charged",
+            );
+        }
         let Some(key) = &key else {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -349,7 +425,6 @@ async fn charge(State(service): State<Arc<Service>>, headers: HeaderMap, body: B
                 "an Idempotency-Key header is required",
             );
         };
-        *ledger.requests.by_key.entry(key.clone()).or_default() += 1;
         let Ok(body) = serde_json::from_slice::<Value>(&body) else {
             return error(
                 StatusCode::BAD_REQUEST,

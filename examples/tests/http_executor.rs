@@ -935,6 +935,8 @@ async fn verify_asks_the_destination_for_the_key() -> Result<()> {
 struct Answer {
     status: u16,
     replayed: bool,
+    /// Its `Retry-After` header, if any.
+    retry_after: Option<String>,
     body: Value,
 }
 
@@ -949,10 +951,15 @@ async fn charge(api: &BillingApi, key: Option<&str>, body: &Value) -> Result<Ans
         .headers()
         .get("idempotent-replayed")
         .is_some_and(|v| v == "true");
+    let retry_after = response
+        .headers()
+        .get(header::RETRY_AFTER)
+        .map(|v| v.to_str().unwrap_or("<not text>").to_owned());
     let body = response.json().await?;
     Ok(Answer {
         status,
         replayed,
+        retry_after,
         body,
     })
 }
@@ -1061,6 +1068,42 @@ async fn billing_api_in_flight_key_402_503_and_restart() -> Result<()> {
     let replay = charge(&api, Some("k2"), &down).await?;
     ensure!(replay.status == 201 && replay.replayed && replay.body == applied.body);
     ensure!(api.charges().len() == 2, "{:?}", api.charges());
+    Ok(())
+}
+
+#[tokio::test]
+async fn billing_api_rate_limit_answers_429_and_applies_nothing() -> Result<()> {
+    let api = BillingApi::start().await?;
+    // 2 a second: a burst of one, then one every 500 ms.
+    api.rate_limit(Some(2.0));
+    let body = |n: usize| json!({ "invoice": format!("INV-{n}"), "cents": 100 });
+    let mut answers = Vec::new();
+    for n in 0..5 {
+        answers.push(charge(&api, Some(&format!("k{n}")), &body(n)).await?);
+    }
+    let limited: Vec<&Answer> = answers.iter().filter(|a| a.status == 429).collect();
+    ensure!(
+        answers[0].status == 201 && limited.len() >= 3,
+        "{:?}",
+        answers.iter().map(|a| a.status).collect::<Vec<_>>()
+    );
+    for answer in &limited {
+        ensure!(answer.body["error"] == "rate_limited", "{}", answer.body);
+        ensure!(answer.retry_after.is_none(), "{:?}", answer.retry_after);
+    }
+    let applied = answers.iter().filter(|a| a.status == 201).count();
+    ensure!(api.charges().len() == applied, "{:?}", api.charges());
+    let requests = api.requests();
+    ensure!(requests.total == 5 && requests.rate_limited == limited.len() as u64);
+    // The keys of the requests refused stay free: once lifted, each applies, not replayed.
+    api.rate_limit(None);
+    for (n, answer) in answers.iter().enumerate() {
+        if answer.status == 429 {
+            let again = charge(&api, Some(&format!("k{n}")), &body(n)).await?;
+            ensure!(again.status == 201 && !again.replayed, "{}", again.status);
+        }
+    }
+    ensure!(api.charges().len() == 5, "{:?}", api.charges());
     Ok(())
 }
 

@@ -3,14 +3,19 @@
 //! - P9a: against an API that answers at once, the dispatcher (`Dispatcher::run` with the
 //!   HTTP executor) vs the hand-written loop of issue 28 (claim `FOR UPDATE SKIP LOCKED`,
 //!   call, mark, commit) with a reqwest client of the same settings and the same
-//!   concurrency, 64 calls in flight: 2 loops claiming 32 rows each (the dispatcher's batch
-//!   size) and calling a batch's rows at once.
+//!   concurrency, 64 calls in flight: 2 loops claiming 32 rows each (the most a dispatcher's
+//!   claim takes) and calling a batch's rows at once.
 //! - P9b: at 20 ms of API latency with `max_in_flight` 64, the dispatcher's actions/s against
 //!   the bound that concurrency across keys allows, 64 / 20 ms = 3,200/s, with each key's
 //!   charges in the API's ledger checked to be in commit order, once each.
+//! - P9c and P9d (`p9_tail_and_limit`): a slow tail of calls, and an API that limits its rate.
+//!
+//! The dispatcher claims (leasing its actions, and committing) on one connection as call
+//! slots free up, calls each key's actions on a task of its own outside any transaction, and
+//! records the verdicts as they arrive on another connection, many per transaction.
 //!
 //! Every run gets a fresh schema with the same actions (many keys, several actions per key,
-//! enqueued key after key so that a batch holds different keys) and a fresh API.
+//! enqueued key after key so that a claim holds different keys) and a fresh API.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -37,34 +42,44 @@ const TOPIC: &str = "dispatch:bench";
 /// Actions per key.
 const PER_KEY: usize = 4;
 /// The dispatcher's calls in flight (its default).
-const MAX_IN_FLIGHT: usize = 64;
-/// Connections opened before each run: the most the dispatcher holds at once (its 3 batches,
-/// its `LISTEN`, its gauges' query, and `wait_drained`'s check); the loops use 2.
-const WARM_CONNECTIONS: usize = 6;
+pub(crate) const MAX_IN_FLIGHT: usize = 64;
+/// Connections opened before each run: the most the dispatcher holds at once (one claiming,
+/// one recording, its `LISTEN`, its gauges' query) and `wait_drained`'s check; the loops
+/// use 2.
+const WARM_CONNECTIONS: usize = 5;
 /// P9b's API latency.
-const LATENCY: Duration = Duration::from_millis(20);
+pub(crate) const LATENCY: Duration = Duration::from_millis(20);
 
-/// The dispatcher's settings in both figures: the defaults (batches of 32, 64 calls in
-/// flight, 2 + 1 batches side by side).
-fn config() -> DispatcherConfig {
+/// The dispatcher's settings in every figure: the defaults (claims of up to 32 actions,
+/// never more than the free call slots; 64 calls in flight; no rate limit of its own).
+pub(crate) fn config() -> DispatcherConfig {
     DispatcherConfig::new(DESTINATION).max_in_flight(MAX_IN_FLIGHT)
 }
 
-/// Enqueues `actions` actions, `PER_KEY` per key, key after key (k0 #0, k1 #0, ..., k0 #1,
-/// ...), in transactions of 1,000.
-async fn fill(pool: &PgPool, actions: usize) -> Result<()> {
+/// The `actions` actions' (key, number) in enqueue order: `PER_KEY` per key, key after key
+/// (k0 #0, k1 #0, ..., k0 #1, ...).
+pub(crate) fn enqueue_order(actions: usize) -> Vec<(usize, usize)> {
     let keys = actions.div_ceil(PER_KEY);
-    let all: Vec<(usize, usize)> = (0..PER_KEY)
+    (0..PER_KEY)
         .flat_map(|n| (0..keys).map(move |k| (k, n)))
         .take(actions)
-        .collect();
-    for chunk in all.chunks(1_000) {
+        .collect()
+}
+
+/// The invoice of key `k`'s action number `n` (what its charge in the ledger names).
+pub(crate) fn invoice(k: usize, n: usize) -> String {
+    format!("k{k}/{n}")
+}
+
+/// Enqueues `actions` actions in [`enqueue_order`], in transactions of 1,000.
+async fn fill(pool: &PgPool, actions: usize) -> Result<()> {
+    for chunk in enqueue_order(actions).chunks(1_000) {
         let batch = chunk
             .iter()
             .map(|&(k, n)| {
                 let key = format!("k{k}");
                 let payload =
-                    json!({ "invoice": format!("{key}/{n}"), "cents": 1200, "key": key, "n": n });
+                    json!({ "invoice": invoice(k, n), "cents": 1200, "key": key, "n": n });
                 Ok(NewEvent::new("task", key, "Charge", &payload)?.for_dispatcher(DESTINATION)?)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -76,7 +91,10 @@ async fn fill(pool: &PgPool, actions: usize) -> Result<()> {
 }
 
 /// A fresh schema holding `actions` pending actions, and a fresh API with `latency`.
-async fn fixture(actions: usize, latency: Option<Duration>) -> Result<(TestDb, BillingApi)> {
+pub(crate) async fn fixture(
+    actions: usize,
+    latency: Option<Duration>,
+) -> Result<(TestDb, BillingApi)> {
     let db = TestDb::with_pool_size(12).await?;
     fill(&db.pool, actions).await?;
     sqlx::query("VACUUM ANALYZE outbox_events")
@@ -84,9 +102,10 @@ async fn fixture(actions: usize, latency: Option<Duration>) -> Result<(TestDb, B
         .await?;
     // Both variants start from a pool that holds the connections they use, as a running
     // service's pool does: opening four (TLS, SCRAM) took 108 ms on this 2-core machine, and
-    // with the two the fixture leaves open the dispatcher opened up to four inside a timed
-    // run of under a second, the loops none (P9a 0.78-0.81 before in three runs of 3 rounds;
-    // after, 0.88-1.02 and a median of 0.94 in thirteen runs of 5 rounds; 2026-12-06).
+    // with the two the fixture leaves open the dispatcher of the time (three batches side by
+    // side) opened up to four inside a timed run of under a second, the loops none (P9a
+    // 0.78-0.81 before in three runs of 3 rounds; after, 0.88-1.02 and a median of 0.94 in
+    // thirteen runs of 5 rounds; 2026-12-06).
     let warm = try_join_all((0..WARM_CONNECTIONS).map(|_| db.pool.acquire())).await?;
     drop(warm);
     let api = BillingApi::start().await?;
@@ -98,7 +117,7 @@ async fn fixture(actions: usize, latency: Option<Duration>) -> Result<(TestDb, B
 }
 
 /// Every action done once, and each key's charges in its actions' order.
-fn check_ledger(charges: &[Charge], actions: usize) -> Result<()> {
+pub(crate) fn check_ledger(charges: &[Charge], actions: usize) -> Result<()> {
     ensure!(
         charges.len() == actions,
         "{} charges for {actions} actions",
@@ -139,7 +158,7 @@ impl CallTimes {
 }
 
 /// How long `executor`'s dispatcher takes to perform every action of a fresh fixture.
-async fn dispatcher_run<E: Executor>(
+pub(crate) async fn dispatcher_run<E: Executor>(
     db: &TestDb,
     api: &BillingApi,
     executor: E,
@@ -174,7 +193,7 @@ async fn dispatcher_rate(actions: usize, latency: Option<Duration>) -> Result<f6
 }
 
 /// The settings of the executor's client and of the hand-written loops' client.
-fn client_builder() -> reqwest::ClientBuilder {
+pub(crate) fn client_builder() -> reqwest::ClientBuilder {
     reqwest::Client::builder()
 }
 
@@ -240,9 +259,8 @@ async fn hand_loop(
     }
 }
 
-/// As many hand-written loops as 64 calls in flight fill with the dispatcher's batch size
-/// (the dispatcher runs one batch more, claiming and recording while the others call), and
-/// that batch size.
+/// As many hand-written loops as 64 calls in flight fill with the most a dispatcher's claim
+/// takes (its `batch_size`), and that batch size.
 fn loops() -> (usize, i64) {
     let config = config();
     (
@@ -284,22 +302,26 @@ async fn hand_loop_rate(
     Ok(actions as f64 / elapsed.as_secs_f64())
 }
 
-/// Where a batch's time goes, in milliseconds per batch: each kind of statement (client-side,
-/// from sending it to its last row), and the rest of the batch's cycle (the calls, the work
-/// in the process around them, and `BEGIN`, which sqlx does not log).
+/// Where the time goes, per action: each kind of statement (client-side, from sending it to
+/// its last row; `BEGIN`, which sqlx does not log, is not in them), how many actions a claim
+/// and a recording `UPDATE` carry, how often a claimer claims, the mean call, and the CPU.
 #[derive(Debug, Default)]
 struct Breakdown {
-    /// Batches that claimed rows.
-    batches: u64,
-    rows_per_batch: f64,
-    /// Workers × elapsed / batches: one worker's time per batch.
-    cycle: f64,
+    /// Claim statements (the last ones of a run come back empty, and the dispatcher's after a
+    /// wake-up with nothing due).
+    claims: u64,
+    rows_per_claim: f64,
+    /// Claimers × elapsed / claims: the time between one claimer's claims, in ms (the
+    /// dispatcher has one claiming connection; each hand loop claims, calls and marks).
+    claim_cycle: f64,
+    /// Actions per `UPDATE` that marks them done (the dispatcher's recorder takes what
+    /// arrived; a hand loop marks its batch).
+    per_record: f64,
+    /// Microseconds of each kind of statement per action.
     claim: f64,
     mark: f64,
     commit: f64,
-    /// Everything else of the cycle: the calls and the work around them.
-    rest: f64,
-    /// The mean call.
+    /// The mean call, in ms.
     call: f64,
     /// The hand loop's mean calls phase (claim's end to last answer); NaN for the dispatcher.
     calls_phase: f64,
@@ -312,7 +334,7 @@ struct Breakdown {
 impl Breakdown {
     fn of(
         statements: &std::collections::BTreeMap<String, sql_times::Statement>,
-        workers: usize,
+        claimers: usize,
         (elapsed, cpu): (Duration, CpuTimes),
         actions: usize,
         call: f64,
@@ -331,40 +353,38 @@ impl Breakdown {
                 })
         };
         let claims = sum(&["WITH claimed AS", "SELECT seq, id, payload::text"]);
-        // The last claims of each worker come back empty.
-        let batches = claims.count.saturating_sub(workers as u64).max(1);
-        let per_batch = |s: sql_times::Statement| 1000.0 * s.secs / batches as f64;
-        let cycle = 1000.0 * workers as f64 * elapsed.as_secs_f64() / batches as f64;
-        let mut b = Self {
-            batches,
-            rows_per_batch: claims.rows as f64 / batches as f64,
-            cycle,
-            claim: per_batch(claims),
-            // The dispatcher's names the table quoted.
-            mark: per_batch(sum(&["UPDATE"])),
-            commit: per_batch(sum(&["COMMIT"])),
+        // The dispatcher's name the table quoted.
+        let marks = sum(&["UPDATE"]);
+        let per_action = |s: sql_times::Statement| 1e6 * s.secs / actions as f64;
+        Self {
+            claims: claims.count,
+            rows_per_claim: claims.rows as f64 / claims.count.max(1) as f64,
+            claim_cycle: 1000.0 * claimers as f64 * elapsed.as_secs_f64()
+                / claims.count.max(1) as f64,
+            per_record: actions as f64 / marks.count.max(1) as f64,
+            claim: per_action(claims),
+            mark: per_action(marks),
+            commit: per_action(sum(&["COMMIT"])),
             call,
             calls_phase,
             postgres_cpu: 1e6 * cpu.postgres.as_secs_f64() / actions as f64,
             process_cpu: 1e6 * cpu.this.as_secs_f64() / actions as f64,
-            ..Self::default()
-        };
-        b.rest = b.cycle - b.claim - b.mark - b.commit;
-        b
+        }
     }
 
     fn line(&self, who: &str) -> String {
         format!(
-            "{who:<11} {:>6} batches of {:>4.1} rows, per batch (ms): cycle {:>6.2} = claim \
-             {:.2} + mark {:.2} + commit {:.2} + calls and the rest {:.2}; mean call {:.2} ms, \
-             calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this process {:.0} us",
-            self.batches,
-            self.rows_per_batch,
-            self.cycle,
+            "{who:<11} {:>6} claims of {:>4.1} rows, one every {:.2} ms per claimer, {:.1} \
+             actions per mark; per action (us): claim {:.0}, mark {:.0}, commit {:.0}; mean \
+             call {:.2} ms, calls phase {:.2} ms; CPU per action: PostgreSQL {:.0} us, this \
+             process {:.0} us",
+            self.claims,
+            self.rows_per_claim,
+            self.claim_cycle,
+            self.per_record,
             self.claim,
             self.mark,
             self.commit,
-            self.rest,
             self.call,
             self.calls_phase,
             self.postgres_cpu,
@@ -373,16 +393,30 @@ impl Breakdown {
     }
 }
 
+/// Every kind of statement timed, on stderr: its first words, count, rows and total time.
+fn log_statements(
+    who: &str,
+    statements: &std::collections::BTreeMap<String, sql_times::Statement>,
+) {
+    for (summary, s) in statements {
+        eprintln!(
+            "    {who}: {:>6} x {:>8.1} ms total, {:>7} rows: {}",
+            s.count,
+            1000.0 * s.secs,
+            s.rows,
+            summary.chars().take(70).collect::<String>()
+        );
+    }
+}
+
 /// One run of each variant on a fresh fixture with every statement and every call timed
-/// (not part of the figures: the timing costs a little): where a batch's time goes.
+/// (not part of the figures: the timing costs a little): where the time goes.
 async fn breakdown(
     client: &reqwest::Client,
     actions: usize,
     latency: Option<Duration>,
 ) -> Result<(Breakdown, Breakdown)> {
     let (loops, _) = loops();
-    // The dispatcher's batches side by side (`DispatcherConfig::workers`).
-    let batches = loops + 1;
     let (db, api) = fixture(actions, latency).await?;
     let calls = CallTimes::default();
     let executor = {
@@ -406,9 +440,11 @@ async fn breakdown(
     let elapsed = dispatcher_run(&db, &api, executor, actions).await;
     let cpu = CpuTimes::now(server).since(cpu);
     let statements = sql_times::stop();
+    log_statements("dispatcher", &statements);
+    // One claiming connection.
     let dispatcher = Breakdown::of(
         &statements,
-        batches,
+        1,
         (elapsed?, cpu),
         actions,
         calls.mean_ms(),
@@ -422,6 +458,7 @@ async fn breakdown(
     let elapsed = hand_loop_run(&db, &api, client, actions, Some((&calls, &phases))).await;
     let cpu = CpuTimes::now(server).since(cpu);
     let statements = sql_times::stop();
+    log_statements("hand loop", &statements);
     let hand = Breakdown::of(
         &statements,
         loops,
@@ -433,38 +470,51 @@ async fn breakdown(
     Ok((dispatcher, hand))
 }
 
-/// The breakdown's figures: each part of the dispatcher's batch against the same part of
-/// the hand loop's, in ms per batch (no targets).
+/// The breakdown's figures: each part of the dispatcher's against the same part of the hand
+/// loop's (no targets).
 fn breakdown_figures(id: &'static str, dispatcher: &Breakdown, hand: &Breakdown) -> Vec<Figure> {
     type Part = (&'static str, &'static str, fn(&Breakdown) -> f64);
-    let parts: [Part; 8] = [
-        ("cycle", "ms/batch", |b| b.cycle),
-        ("claim", "ms/batch", |b| b.claim),
-        ("mark", "ms/batch", |b| b.mark),
-        ("commit", "ms/batch", |b| b.commit),
-        ("calls and the rest", "ms/batch", |b| b.rest),
+    let value = |b: &Breakdown, of: fn(&Breakdown) -> f64| Sample {
+        values: vec![of(b)],
+    };
+    // More is better.
+    let carried: [Part; 2] = [
+        ("rows per claim", "rows", |b| b.rows_per_claim),
+        ("actions per mark", "rows", |b| b.per_record),
+    ];
+    // Less is better.
+    let costs: [Part; 7] = [
+        ("claim cycle, per claimer", "ms", |b| b.claim_cycle),
+        ("claim", "us/act", |b| b.claim),
+        ("mark", "us/act", |b| b.mark),
+        ("commit", "us/act", |b| b.commit),
         ("mean call", "ms/call", |b| b.call),
         ("PostgreSQL's CPU", "us/act", |b| b.postgres_cpu),
         ("this process's CPU", "us/act", |b| b.process_cpu),
     ];
-    parts
-        .iter()
-        .map(|(part, unit, of)| {
-            Figure::at_most(
-                id,
-                format!("breakdown: {part}"),
-                unit,
-                Sample {
-                    values: vec![of(dispatcher)],
-                },
-                "hand loop's",
-                Sample {
-                    values: vec![of(hand)],
-                },
-                None,
-            )
-        })
-        .collect()
+    let carried = carried.iter().map(|(part, unit, of)| {
+        Figure::at_least(
+            id,
+            format!("breakdown: {part}"),
+            unit,
+            value(dispatcher, *of),
+            "hand loop's",
+            value(hand, *of),
+            None,
+        )
+    });
+    let costs = costs.iter().map(|(part, unit, of)| {
+        Figure::at_most(
+            id,
+            format!("breakdown: {part}"),
+            unit,
+            value(dispatcher, *of),
+            "hand loop's",
+            value(hand, *of),
+            None,
+        )
+    });
+    carried.chain(costs).collect()
 }
 
 pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
@@ -494,7 +544,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             looped_slow.values[round],
         );
     }
-    // Where a batch's time goes, at once and at 20 ms.
+    // Where the time goes, at once and at 20 ms.
     let (at_once, at_once_hand) = breakdown(&client, actions, None).await?;
     let (slow, slow_hand) = breakdown(&client, actions, Some(LATENCY)).await?;
     for (what, dispatcher, hand) in [

@@ -268,10 +268,12 @@ impl<E: Executor> Calls<E> {
             }
             Call::Answered(Outcome::RateLimited { reason, after }) => {
                 let after = after.map(|a| a.min(max_wait));
-                health.rate_limited(after);
+                let wait = health.rate_limited(started, after);
                 let mut failed = Failed::new(Failure::Outage, reason);
                 failed.unsent = true;
-                failed.retry_after = after;
+                // Its turn at the slower rate, not an outage's wait: a 429 without
+                // `Retry-After` parked each key for 15-30 s (bench P9d).
+                failed.retry_after = Some(wait);
                 Verdict::Failed(failed)
             }
             Call::Answered(Outcome::NotSent { reason }) => {

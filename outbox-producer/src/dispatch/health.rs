@@ -32,6 +32,9 @@ const DECREASE: f64 = 0.85;
 /// Additive increase: this share of the rate the last 429 left, per second without one.
 const INCREASE_PER_SECOND: f64 = 0.05;
 
+/// The least wait of an action answered 429 without `Retry-After`.
+const MIN_WAIT: Duration = Duration::from_millis(50);
+
 /// Without `max_rate`, the adaptive limit is lifted after this long without a 429.
 const UNLIMITED_AFTER: Duration = Duration::from_secs(60);
 
@@ -72,6 +75,9 @@ struct State {
     /// The next moment a call may start (the token bucket's theoretical arrival time).
     next_call: Instant,
     last_rate_limited: Option<Instant>,
+    /// When the rate was last decreased: a 429 to a call started before it was answered to
+    /// the rate before, and decreases nothing more.
+    last_decrease: Option<Instant>,
     rate_after_decrease: f64,
     /// Calls started in the current one-second window, and in the last full one.
     window_start: Instant,
@@ -115,6 +121,7 @@ impl Health {
                 rate: max_rate,
                 next_call: now,
                 last_rate_limited: None,
+                last_decrease: None,
                 rate_after_decrease: max_rate.unwrap_or(0.0),
                 window_start: now,
                 window_calls: 0,
@@ -170,12 +177,6 @@ impl Health {
         let at = {
             let mut state = self.state();
             let now = Instant::now();
-            if now.duration_since(state.window_start) >= Duration::from_secs(1) {
-                state.last_window_calls = state.window_calls;
-                state.window_calls = 0;
-                state.window_start = now;
-            }
-            state.window_calls = state.window_calls.saturating_add(1);
             match state.rate {
                 Some(rate) => {
                     let at = state.next_call.max(now);
@@ -194,6 +195,13 @@ impl Health {
         let mut state = self.state();
         let now = Instant::now();
         state.last_success = Some(now);
+        // Calls answered per second: what the destination takes, where a slow-down starts.
+        if now.duration_since(state.window_start) >= Duration::from_secs(1) {
+            state.last_window_calls = state.window_calls;
+            state.window_calls = 0;
+            state.window_start = now;
+        }
+        state.window_calls = state.window_calls.saturating_add(1);
         state.failures_in_a_row = 0;
         state.probes_failed = 0;
         state.probe_since = None;
@@ -266,24 +274,28 @@ impl Health {
         state.reason = Some(outbox_core::escape(reason).to_string());
     }
 
-    /// The destination limits the rate (a 429): slow every call down, and call nothing before
-    /// `after`, when it asked.
-    pub(crate) fn rate_limited(&self, after: Option<Duration>) {
+    /// The destination limits the rate (a 429 to a call that started at `started`): slow every
+    /// call down, and call nothing before `after`, when it asked. Returns how long the action
+    /// waits: `after`, or its turn at the new rate.
+    pub(crate) fn rate_limited(&self, started: Instant, after: Option<Duration>) -> Duration {
         let mut state = self.state();
         let now = Instant::now();
         if let Some(after) = after {
             let until = now + after;
             state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
         }
-        // One decrease per burst of 429s: the calls in flight when the first came back
-        // answer 429 too, and halving for each would stop the dispatcher.
-        let recent = state
-            .last_rate_limited
-            .is_some_and(|at| now.duration_since(at) < Duration::from_millis(200));
         state.last_rate_limited = Some(now);
-        if recent {
-            return;
+        let turn = |rate: Option<f64>| {
+            after.unwrap_or_else(|| {
+                rate.map_or(MIN_WAIT, |r| Duration::from_secs_f64(1.0 / r).max(MIN_WAIT))
+            })
+        };
+        // One decrease per rate: the calls in flight when the first 429 came back were sent
+        // at the rate before, and decreasing for each would stop the dispatcher.
+        if state.last_decrease.is_some_and(|at| started <= at) {
+            return turn(state.rate);
         }
+        state.last_decrease = Some(now);
         let current = state.rate.unwrap_or_else(|| {
             let elapsed = now.duration_since(state.window_start).as_secs_f64();
             let observed = f64::from(state.last_window_calls)
@@ -298,6 +310,7 @@ impl Health {
             calls_per_second = rate,
             "the destination limits the rate; slowing down"
         );
+        turn(Some(rate))
     }
 
     /// The destination asked for a wait (`Retry-After` on a 5xx): call nothing before it.
@@ -396,12 +409,22 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_429_slows_down_then_the_rate_climbs_back_to_the_ceiling() {
         let h = health(Some(100.0));
-        h.rate_limited(None);
+        let before = h.start_call().await;
+        tokio::time::advance(Duration::from_millis(1)).await;
+        h.rate_limited(before, None);
         let (slowed, _) = h.rate().expect("a rate");
         assert!((slowed - 85.0).abs() < 1e-9, "{slowed}");
-        // A burst of 429s from calls already in flight decreases once.
-        h.rate_limited(None);
+        // The other 429s to calls sent at the rate before decrease nothing more ...
+        h.rate_limited(before, None);
         assert_eq!(h.rate().map(|(r, _)| r), Some(slowed));
+        // ... a 429 to a call sent at the new rate does.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let after = h.start_call().await;
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let wait = h.rate_limited(after, None);
+        let (again, _) = h.rate().expect("a rate");
+        assert!(again < slowed, "{again}");
+        assert!(wait >= MIN_WAIT && wait < Duration::from_secs(1), "{wait:?}");
         for _ in 0..10_000 {
             h.succeeded();
         }
@@ -411,7 +434,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn retry_after_pauses_the_whole_destination_in_full() {
         let h = health(None);
-        h.rate_limited(Some(Duration::from_secs(3600)));
+        let started = h.start_call().await;
+        h.rate_limited(started, Some(Duration::from_secs(3600)));
         let Admission::PausedUntil(until) = h.admission() else {
             panic!("paused");
         };

@@ -160,13 +160,11 @@ pub(crate) async fn record<D>(
         if failed.kind == Failure::Outage {
             // Not the row's failure: no attempt charged, however long it lasts. The row waits
             // (and holds its key's later rows) so that the batches in between carry the rows
-            // that can go; at least as long as the destination asked, in full.
+            // that can go; as long as the destination asked (or a 429's turn at the slower
+            // rate), otherwise an outage's wait.
             report.waiting += 1;
             report.broker_unreachable |= failed.silent;
-            let delay = failed.retry_after.map_or_else(
-                || outage_wait(config),
-                |asked| asked.max(outage_wait(config)),
-            );
+            let delay = failed.retry_after.unwrap_or_else(|| outage_wait(config));
             if failed.unsent {
                 // The outage was logged when it was found.
                 tracing::debug!(event_id = %row.id, %topic, retry_in = ?delay, error = %outbox_core::escape(&error), "outage; row waits unsent, not charged");

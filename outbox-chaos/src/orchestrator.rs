@@ -452,7 +452,10 @@ async fn terminate_dispatchers(admin: PgPool, database: String, stop: Cancellati
             Ok(0) => {}
             Ok(n) => {
                 rounds += 1;
-                tracing::debug!(terminated = n, "fault: the dispatchers' connections terminated");
+                tracing::debug!(
+                    terminated = n,
+                    "fault: the dispatchers' connections terminated"
+                );
             }
             Err(error) => tracing::warn!(%error, "cannot terminate the dispatchers' connections"),
         }

@@ -32,6 +32,9 @@ const DECREASE: f64 = 0.85;
 /// Additive increase: this share of the rate the last 429 left, per second without one.
 const INCREASE_PER_SECOND: f64 = 0.05;
 
+/// Most call starts [`State::recent_starts`] keeps.
+const RECENT_STARTS: usize = 4096;
+
 /// The least wait of an action answered 429 without `Retry-After`.
 const MIN_WAIT: Duration = Duration::from_millis(50);
 
@@ -83,6 +86,9 @@ struct State {
     window_start: Instant,
     window_calls: u32,
     last_window_calls: u32,
+    /// Calls started in the last second (a ring of the last [`RECENT_STARTS`] start times):
+    /// where a slow-down starts when no call was answered yet.
+    recent_starts: std::collections::VecDeque<Instant>,
     /// When each action's call last failed in a way blamed on the destination: a success
     /// since then makes its next such failure its own (an action that fails alone while
     /// the destination answers others now and then).
@@ -126,6 +132,7 @@ impl Health {
                 window_start: now,
                 window_calls: 0,
                 last_window_calls: 0,
+                recent_starts: std::collections::VecDeque::new(),
                 failed_before: HashMap::new(),
             }),
             ceiling: max_rate,
@@ -177,6 +184,10 @@ impl Health {
         let at = {
             let mut state = self.state();
             let now = Instant::now();
+            if state.recent_starts.len() >= RECENT_STARTS {
+                state.recent_starts.pop_front();
+            }
+            state.recent_starts.push_back(now);
             match state.rate {
                 Some(rate) => {
                     let at = state.next_call.max(now);
@@ -297,9 +308,27 @@ impl Health {
         }
         state.last_decrease = Some(now);
         let current = state.rate.unwrap_or_else(|| {
-            let elapsed = now.duration_since(state.window_start).as_secs_f64();
-            let observed = f64::from(state.last_window_calls)
-                .max(f64::from(state.window_calls) / elapsed.max(0.05));
+            // The calls answered per second; before any was, the calls started in the last
+            // second (more than the destination takes: the decreases that follow, one per
+            // round trip, bring it down). The current window is at most a second old once a
+            // call was answered in it.
+            let elapsed = now
+                .duration_since(state.window_start)
+                .as_secs_f64()
+                .clamp(0.05, 1.0);
+            let answered =
+                f64::from(state.last_window_calls).max(f64::from(state.window_calls) / elapsed);
+            let second_ago = now.checked_sub(Duration::from_secs(1));
+            let started = state
+                .recent_starts
+                .iter()
+                .filter(|&&at| second_ago.is_none_or(|ago| at >= ago))
+                .count();
+            let observed = if answered >= 1.0 {
+                answered
+            } else {
+                started as f64
+            };
             observed.max(MIN_RATE)
         });
         let floor = self.ceiling.map_or(MIN_RATE, |c| c.min(MIN_RATE));
@@ -424,11 +453,29 @@ mod tests {
         let wait = h.rate_limited(after, None);
         let (again, _) = h.rate().expect("a rate");
         assert!(again < slowed, "{again}");
-        assert!(wait >= MIN_WAIT && wait < Duration::from_secs(1), "{wait:?}");
+        assert!(
+            wait >= MIN_WAIT && wait < Duration::from_secs(1),
+            "{wait:?}"
+        );
         for _ in 0..10_000 {
             h.succeeded();
         }
         assert_eq!(h.rate().map(|(r, _)| r), Some(100.0));
+    }
+
+    /// The first 429 came back before any call was answered: the slow-down started from
+    /// nothing answered, 0.5 calls/s, and climbed back by 0.025/s per second (bench P9d).
+    #[tokio::test(start_paused = true)]
+    async fn a_429_before_any_answer_slows_down_from_the_calls_sent() {
+        let h = health(None);
+        tokio::time::advance(Duration::from_secs(30)).await;
+        let mut first = None;
+        for _ in 0..64 {
+            first.get_or_insert(h.start_call().await);
+        }
+        h.rate_limited(first.expect("a call"), None);
+        let (rate, _) = h.rate().expect("a rate");
+        assert!(rate > 50.0, "{rate}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -104,6 +104,8 @@ enum Stored {
 struct Knobs {
     latency: Option<Range<Duration>>,
     fail_rate: f64,
+    /// Answered 500 instead of 503 by a share of the failures.
+    fail_500: bool,
     stall: u32,
     rejected: HashSet<String>,
     delays: HashMap<String, Duration>,
@@ -220,6 +222,12 @@ impl BillingApi {
     /// applied (after its latency); the key is not stored.
     pub fn fail_rate(&self, p: f64) {
         self.service.ledger().knobs.fail_rate = if p.is_nan() { 0.0 } else { p.clamp(0.0, 1.0) };
+    }
+
+    /// Half of the failures of [`Self::fail_rate`] are then 500 instead of 503 (still before
+    /// the charge is applied).
+    pub fn fail_some_with_500(&self, on: bool) {
+        self.service.ledger().knobs.fail_500 = on;
     }
 
     /// The next `n` requests that apply a charge apply it, store the response, and then hold
@@ -493,10 +501,15 @@ async fn charge(State(service): State<Arc<Service>>, headers: HeaderMap, body: B
         let mut ledger = service.ledger();
         let fail_rate = ledger.knobs.fail_rate;
         if fail_rate > 0.0 && rand::rng().random_bool(fail_rate) {
+            let status = if ledger.knobs.fail_500 && rand::rng().random_bool(0.5) {
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
             drop(ledger);
             drop(taken);
             return error(
-                StatusCode::SERVICE_UNAVAILABLE,
+                status,
                 "unavailable",
                 "the service is unavailable; nothing was charged",
             );

@@ -32,6 +32,8 @@ pub(crate) async fn start_api(load: &DispatchLoad) -> Result<BillingApi> {
     let api = BillingApi::start().await?;
     api.set_latency(load.latency.clone());
     api.fail_rate(load.fail_rate);
+    api.fail_some_with_500(true);
+    api.rate_limit(load.rate_limit);
     tracing::info!(url = %api.charges_url(), "billing API serving");
     Ok(api)
 }

@@ -272,6 +272,7 @@ async fn run_one(
             &mut summary,
         )
         .await?;
+        summary.api_rate_limited = api.requests().rate_limited;
     }
     {
         let f = lock(&fleet);

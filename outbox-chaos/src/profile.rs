@@ -20,8 +20,11 @@ pub(crate) struct DispatchLoad {
     pub(crate) call_timeout: Duration,
     /// The API's latency per request, drawn from this range.
     pub(crate) latency: std::ops::Range<Duration>,
-    /// The share of requests the API answers 503 (before applying anything).
+    /// The share of requests the API answers 503 or 500 (before applying anything).
     pub(crate) fail_rate: f64,
+    /// The API's rate limit (429 beyond it, without `Retry-After`): reached when the
+    /// dispatchers catch up after an outage.
+    pub(crate) rate_limit: Option<f64>,
 }
 
 /// A named set of run parameters.
@@ -169,6 +172,7 @@ impl Profile {
                     call_timeout: Duration::from_secs(2),
                     latency: Duration::ZERO..Duration::from_millis(30),
                     fail_rate: 0.1,
+                    rate_limit: Some(150.0),
                 }),
             },
             ProfileName::Long => Self {

@@ -203,6 +203,8 @@ pub(crate) struct Summary {
     pub(crate) actions_rolled_back: u64,
     pub(crate) charges: u64,
     pub(crate) api_requests: u64,
+    /// Requests the API answered 429 (its rate limit).
+    pub(crate) api_rate_limited: u64,
     // Violations:
     pub(crate) lost: u64,
     pub(crate) double_effects: u64,
@@ -322,6 +324,7 @@ impl Summary {
             (&mut self.actions_rolled_back, o.actions_rolled_back),
             (&mut self.charges, o.charges),
             (&mut self.api_requests, o.api_requests),
+            (&mut self.api_rate_limited, o.api_rate_limited),
             (&mut self.actions_lost, o.actions_lost),
             (&mut self.actions_double_applied, o.actions_double_applied),
             (&mut self.actions_out_of_order, o.actions_out_of_order),
@@ -378,13 +381,14 @@ impl Summary {
         let _ = write!(
             s,
             " expected_quarantined={}/{} actions_committed={} actions_rolled_back={} charges={} \
-             api_requests={}",
+             api_requests={} api_rate_limited={}",
             self.expected_quarantined,
             self.expected_quarantine_planned,
             self.actions_committed,
             self.actions_rolled_back,
             self.charges,
             self.api_requests,
+            self.api_rate_limited,
         );
         for (name, n) in self.violations() {
             let _ = write!(s, " {name}={n}");

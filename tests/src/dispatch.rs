@@ -86,3 +86,31 @@ pub async fn state(db: &TestDb, id: EventId) -> Result<Option<ActionState>> {
 pub async fn dispatched(db: &TestDb) -> Result<i64> {
     count_status(&db.pool, "published").await
 }
+
+/// A dispatcher running on a task of its own, until [`Running::stop`].
+#[derive(Debug)]
+pub struct Running {
+    shutdown: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), outbox_producer::ProducerError>>,
+}
+
+impl Running {
+    /// Starts `dispatcher.run`.
+    pub fn start<E: outbox_producer::dispatch::Executor>(
+        dispatcher: &outbox_producer::dispatch::Dispatcher<E>,
+    ) -> Self {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn({
+            let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+            async move { dispatcher.run(shutdown).await }
+        });
+        Self { shutdown, task }
+    }
+
+    /// Shuts it down and returns what `run` returned.
+    pub async fn stop(self) -> Result<()> {
+        self.shutdown.cancel();
+        self.task.await??;
+        Ok(())
+    }
+}

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::Result;
 use outbox_producer::dispatch::{Action, ActionState, Dispatcher, DispatcherConfig, Outcome};
 use outbox_producer::{EventId, NewEvent, Relay, RelayConfig, producer_config};
-use outbox_tests::dispatch::{Ledger, action, config, dispatched, enqueue, state};
+use outbox_tests::dispatch::{Ledger, Running, action, config, dispatched, enqueue, state};
 use outbox_tests::{TestDb, count_status, eventually, kafka_bootstrap};
 use rand::Rng;
 use serde_json::json;
@@ -111,11 +111,7 @@ async fn a_slow_call_holds_back_neither_other_keys_nor_other_batches() -> Result
             .call_timeout(Duration::from_secs(120)),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     // Every other key is done while the slow call is still in flight: it holds its own key
     // and call slot, nothing else (batches joined their calls, and one other row waited).
     eventually("fast keys done beside the slow call", WAIT, || async {
@@ -131,8 +127,7 @@ async fn a_slow_call_holds_back_neither_other_keys_nor_other_batches() -> Result
         Ok(dispatched(&db).await? == 61)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     Ok(())
 }
 
@@ -318,18 +313,13 @@ async fn a_destination_that_does_not_answer_charges_nothing_and_is_resumed() -> 
         Some("connection refused")
     );
     // Running, it pauses, probes, and resumes once the destination answers.
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     up.store(true, Ordering::SeqCst);
     eventually("resumed", WAIT, || async {
         Ok(dispatched(&db).await? == 20)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
     assert_eq!(ledger.charges(), 20);
     Ok(())
@@ -491,18 +481,13 @@ async fn an_action_that_hangs_forever_ends_unknown_after_max_age() -> Result<()>
             .max_age(Duration::from_secs(2)),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     eventually("given up", WAIT, || async {
         Ok(count_status(&db.pool, "quarantined").await? == 1)
     })
     .await?;
     let made = calls.load(Ordering::SeqCst);
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     let Some(ActionState::Unknown {
         attempts,
         last_error,
@@ -624,17 +609,12 @@ async fn retry_after_holds_the_whole_destination_back() -> Result<()> {
         config().max_in_flight(1).batch_size(1),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     eventually("every action done", WAIT, || async {
         Ok(dispatched(&db).await? == 10)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     let first = first_429.lock().expect("lock").expect("a 429");
     let earliest = after_429
         .lock()
@@ -935,11 +915,7 @@ async fn a_slow_call_delays_the_record_of_no_other_key() -> Result<()> {
         config().max_in_flight(8).batch_size(8),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     eventually(
         "the fast keys recorded beside the slow call",
         WAIT,
@@ -951,7 +927,6 @@ async fn a_slow_call_delays_the_record_of_no_other_key() -> Result<()> {
         Ok(dispatched(&db).await? == 8)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     Ok(())
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Result;
 use outbox_producer::dispatch::{Action, Dispatcher, Outcome};
 use outbox_producer::{ProducerError, Relay, RelayConfig, producer_config};
-use outbox_tests::dispatch::{Ledger, action, config, dispatched, enqueue};
+use outbox_tests::dispatch::{Ledger, Running, action, config, dispatched, enqueue};
 use outbox_tests::{TestDb, count_status, eventually, kafka_bootstrap};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -56,11 +56,7 @@ async fn a_whole_api_outage_quarantines_nothing_and_everything_is_done_after() -
             .backoff(Duration::from_millis(10), Duration::from_millis(50)),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     // Down, and probed again and again: an action refused more times than max_attempts.
     eventually("the destination down and probed", WAIT, || async {
         let most = refused.lock().expect("lock").values().max().copied();
@@ -79,8 +75,7 @@ async fn a_whole_api_outage_quarantines_nothing_and_everything_is_done_after() -
     })
     .await?;
     assert!(dispatcher.destination_up());
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     assert_eq!(count_status(&db.pool, "quarantined").await?, 0);
     assert_eq!(ledger.charges(), 40);
     Ok(())
@@ -268,17 +263,12 @@ async fn a_rate_limit_never_outlasts_a_lease_each_action_is_called_once() -> Res
             .call_timeout(Duration::from_millis(500)),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     eventually("every action done", WAIT, || async {
         Ok(dispatched(&db).await? == 16)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     assert_eq!(ledger.charges(), 16);
     assert_eq!(
         ledger.calls.load(Ordering::SeqCst),
@@ -355,17 +345,12 @@ async fn a_result_the_database_refuses_fails_alone() -> Result<()> {
         config().call_timeout(Duration::from_secs(30)),
         executor,
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     eventually("the others recorded", WAIT, || async {
         Ok(dispatched(&db).await? == 4)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     Ok(())
 }
 
@@ -388,17 +373,12 @@ async fn actions_no_claim_reaches_are_given_up_at_max_age() -> Result<()> {
         config().max_age(Duration::from_secs(3600)),
         |_: Action| async { Outcome::done(json!({})) },
     )?;
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
-        async move { dispatcher.run(shutdown).await }
-    });
+    let run = Running::start(&dispatcher);
     eventually("the held action given up", WAIT, || async {
         Ok(count_status(&db.pool, "quarantined").await? == 2)
     })
     .await?;
-    shutdown.cancel();
-    run.await??;
+    run.stop().await?;
     let state = outbox_tests::dispatch::state(&db, ids[1]).await?;
     let Some(outbox_producer::dispatch::ActionState::NeverSent { reason }) = state else {
         panic!("not never-sent: {state:?}");

@@ -1262,3 +1262,69 @@ async fn a_declined_charge_is_rejected_with_the_answer_and_an_outage_charges_not
     ensure!(api.charges().len() == 1, "{:?}", api.charges());
     Ok(())
 }
+
+/// An API key refused for a while (a rotation not yet propagated), then accepted: with
+/// `max_attempts(2)`, every action of the time was rejected within seconds before. Now the
+/// destination is down while every call gets 401, nothing is charged or rejected, and every
+/// action is done once the key is accepted.
+#[tokio::test]
+async fn credentials_refused_for_a_while_reject_nothing() -> Result<()> {
+    /// Answers 401 to the first `REFUSALS` requests, then 200 with the request's key.
+    const REFUSALS: usize = 8;
+    async fn until_accepted(
+        State(refused): State<Arc<AtomicUsize>>,
+        headers: HeaderMap,
+    ) -> Response {
+        if refused.fetch_add(1, Ordering::SeqCst) < REFUSALS {
+            return (StatusCode::UNAUTHORIZED, "invalid api key").into_response();
+        }
+        let key = headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        axum::Json(json!({ "charged": key })).into_response()
+    }
+    let refused = Arc::new(AtomicUsize::new(0));
+    let base = serve(
+        Router::new()
+            .route("/charges", routing::post(until_accepted))
+            .with_state(Arc::clone(&refused)),
+    )
+    .await?;
+    let db = TestDb::new().await?;
+    let mut ids = Vec::new();
+    for n in 0..6 {
+        ids.push(enqueue(&db, &format!("INV-{n}"), &json!({ "invoice": n })).await?);
+    }
+    let config = DispatcherConfig::new("billing")
+        .max_attempts(2)
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .poll_interval(Duration::from_millis(50));
+    let executor = HttpExecutor::post_json(builder(), url(&format!("{base}/charges")))?;
+    let dispatcher = Dispatcher::new(db.pool.clone(), config, executor)?;
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn({
+        let (dispatcher, shutdown) = (dispatcher.clone(), shutdown.clone());
+        async move { dispatcher.run(shutdown).await }
+    });
+    for id in &ids {
+        let answer = await_done(&db, *id).await?;
+        ensure!(answer == json!({ "charged": id.to_string() }), "{answer}");
+    }
+    shutdown.cancel();
+    task.await??;
+    ensure!(
+        refused.load(Ordering::SeqCst) > REFUSALS,
+        "the key was refused, then accepted"
+    );
+    let quarantined: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE status = 'quarantined'")
+            .fetch_one(&db.pool)
+            .await?;
+    ensure!(
+        quarantined == 0,
+        "{quarantined} actions rejected or given up"
+    );
+    Ok(())
+}

@@ -15,6 +15,7 @@ use crate::broker::Down;
 use crate::cluster::Cluster;
 use crate::db::ChaosDb;
 use crate::fleet::{Fleet, Role, lock};
+use crate::pg_server::{LocalPg, StopMode};
 use crate::profile::Profile;
 use crate::summary::Kind;
 
@@ -29,6 +30,8 @@ pub(crate) struct Chaos<'a> {
     pub(crate) group_a: &'a str,
     /// The billing API of the dispatcher fleet, when it runs.
     pub(crate) api: Option<&'a BillingApi>,
+    /// The run's own PostgreSQL server, when the loop restarts it.
+    pg: Option<&'a mut LocalPg>,
     pub(crate) rng: StdRng,
     extras: u32,
     /// Broker faults so far (their kinds alternate).
@@ -74,6 +77,7 @@ impl<'a> Chaos<'a> {
             topic,
             group_a,
             api: None,
+            pg: None,
             rng: StdRng::seed_from_u64(seed),
             extras: 0,
             broker_faults: 0,
@@ -84,6 +88,12 @@ impl<'a> Chaos<'a> {
     /// Adds the dispatcher fleet's faults, with the billing API they take down or stall.
     pub(crate) fn with_api(mut self, api: Option<&'a BillingApi>) -> Self {
         self.api = api;
+        self
+    }
+
+    /// Adds PostgreSQL restarts, on the run's own server.
+    pub(crate) fn with_pg(mut self, pg: Option<&'a mut LocalPg>) -> Self {
+        self.pg = pg;
         self
     }
 
@@ -137,10 +147,12 @@ impl<'a> Chaos<'a> {
             // restart first, so every run with two broker faults has both.
             let broker_fault = (Kind::BrokerRestart, self.profile.broker_fault_weight);
             let dispatch = self.api.map(|_| DISPATCH_MENU).into_iter().flatten();
+            let pg_restart = self.pg.is_some().then_some((Kind::PgRestart, 1));
             let menu: Vec<(Kind, u32)> = MENU
                 .into_iter()
                 .chain(broker_up.then_some(broker_fault))
                 .chain(dispatch)
+                .chain(pg_restart)
                 .collect();
             let kind = menu
                 .choose_weighted(&mut self.rng, |(_, w)| *w)
@@ -163,11 +175,18 @@ impl<'a> Chaos<'a> {
                 Err(error) => return Err(error),
             }
         }
-        // Likewise every run takes the billing API down and makes it stall at least once.
+        // Likewise every run takes the billing API down and makes it stall at least once,
+        // and restarts PostgreSQL as often as the profile asks.
         for kind in [Kind::ApiOutage, Kind::ApiStall] {
             if self.api.is_some() && lock(self.fleet).counts.get(kind) == 0 {
                 self.inject(kind).await?;
             }
+        }
+        let restarts = self.profile.dispatch.as_ref().map_or(0, |d| d.pg_restarts);
+        while self.pg.is_some()
+            && lock(self.fleet).counts.get(Kind::PgRestart) < u64::from(restarts)
+        {
+            self.inject(Kind::PgRestart).await?;
         }
         self.leave_due_extras(true);
         tracing::info!(faults, elapsed = ?started.elapsed(), "fault phase over");
@@ -277,6 +296,16 @@ impl<'a> Chaos<'a> {
                     tracing::info!(?downtime, "fault: billing API down");
                     tokio::time::sleep(downtime).await;
                     restart_api(api).await?;
+                    lock(self.fleet).counts.add(kind, 1);
+                }
+            }
+            Kind::PgRestart => {
+                if let Some(pg) = self.pg.as_deref_mut() {
+                    let downtime = Duration::from_millis(self.rng.random_range(300..2000));
+                    pg.stop(StopMode::Immediate).await?;
+                    tracing::info!(?downtime, "fault: Postgres stopped (immediate)");
+                    tokio::time::sleep(downtime).await;
+                    pg.start().await?;
                     lock(self.fleet).counts.add(kind, 1);
                 }
             }

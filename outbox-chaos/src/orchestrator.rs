@@ -121,9 +121,11 @@ async fn run_one(
     let long_faults = profile.long_faults.as_ref().filter(|_| first);
     // A run that stops Postgres gets a server of its own: the shared one serves the rest of
     // the test suite.
-    let mut own_pg = match long_faults.and_then(|l| l.pg_outage) {
-        Some(_) => Some(LocalPg::start_new(&dir).await?),
-        None => None,
+    let pg_restarts = profile.dispatch.as_ref().map_or(0, |d| d.pg_restarts);
+    let mut own_pg = if long_faults.and_then(|l| l.pg_outage).is_some() || pg_restarts > 0 {
+        Some(LocalPg::start_new(&dir).await?)
+    } else {
+        None
     };
     let database_url = match &own_pg {
         Some(pg) => pg.url(),
@@ -195,6 +197,7 @@ async fn run_one(
     });
     let faults = Chaos::new(&fleet, &mut broker, &db, profile, &topic, GROUP_A, seed)
         .with_api(api.as_ref())
+        .with_pg(own_pg.as_mut().filter(|_| pg_restarts > 0))
         .run()
         .await;
     fault_phase.cancel();

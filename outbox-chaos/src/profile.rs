@@ -25,6 +25,9 @@ pub(crate) struct DispatchLoad {
     /// The API's rate limit (429 beyond it, without `Retry-After`): reached when the
     /// dispatchers catch up after an outage.
     pub(crate) rate_limit: Option<f64>,
+    /// PostgreSQL restarts (as in a crash) in the fault loop, at least: the run then has a
+    /// server of its own.
+    pub(crate) pg_restarts: u32,
 }
 
 /// A named set of run parameters.
@@ -173,6 +176,7 @@ impl Profile {
                     latency: Duration::ZERO..Duration::from_millis(30),
                     fail_rate: 0.1,
                     rate_limit: Some(150.0),
+                    pg_restarts: 2,
                 }),
             },
             ProfileName::Long => Self {

@@ -61,10 +61,14 @@ pub(crate) enum Kind {
     /// The dispatchers' PostgreSQL connections terminated, twice a second through the fault
     /// phase (counted per round that found any).
     DispatcherPgTerminate,
+    /// The run's own PostgreSQL stopped as in a crash (`pg_ctl stop -m immediate`) in the
+    /// fault loop, and started again 0.3-2 s later: every process's connections break,
+    /// claims, leases and records cut midway included.
+    PgRestart,
 }
 
 impl Kind {
-    pub(crate) const ALL: [Self; 24] = [
+    pub(crate) const ALL: [Self; 25] = [
         Self::RelayKill,
         Self::RelayAfterAck,
         Self::ConsumerKill,
@@ -89,6 +93,7 @@ impl Kind {
         Self::ApiOutage,
         Self::ApiStall,
         Self::DispatcherPgTerminate,
+        Self::PgRestart,
     ];
 
     /// The long faults, whose liveness figures the summary reports.
@@ -128,6 +133,7 @@ impl Kind {
             Self::ApiOutage => "api_outage",
             Self::ApiStall => "api_stall",
             Self::DispatcherPgTerminate => "dispatcher_pg_terminate",
+            Self::PgRestart => "pg_restart",
         }
     }
 

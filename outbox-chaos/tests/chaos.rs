@@ -145,6 +145,7 @@ fn ci_profile_keeps_every_guarantee_under_fifty_kill_cycles() {
         "api_stall",
         "dispatcher_pg_terminate",
         "api_rate_limited",
+        "pg_restart",
     ] {
         assert!(
             number(&fields, fault) >= 1,

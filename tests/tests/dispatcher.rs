@@ -812,6 +812,9 @@ async fn configurations_that_cannot_work_are_refused() -> Result<()> {
             fits.clone().batch_size(128),
             "batch_size x max_answer_bytes",
         ),
+        // One call in 31,700 years: the time between calls overflowed an instant (a panic).
+        (fits.clone().max_rate(1e-12), "max_rate"),
+        (fits.clone().max_rate(f64::NAN), "max_rate"),
     ] {
         let refused = Dispatcher::new(db.pool.clone(), bad, executor).map(|_| ());
         assert!(

@@ -14,7 +14,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::health::{Admission, Blame, Health};
+use super::health::{Admission, Blame, Health, Turn};
 use super::{Action, DispatcherConfig, Executor, Outcome};
 use crate::lane::{Failed, Failure, LEASE_MARGIN, OutboxRow, Verdict};
 
@@ -163,12 +163,16 @@ impl<E: Executor> Calls<E> {
             return Some(Verdict::Done(Some(answer)));
         }
         // Released untried while the destination asked for a wait (another key's 429) or
-        // is between probes: calls already claimed must keep to it too.
-        if expired.is_cancelled() || matches!(self.health.admission(), Admission::PausedUntil(_)) {
+        // is between probes: calls already claimed must keep to it too; and when the lease no
+        // longer allows a call, before a rate-limit turn is booked for nothing.
+        if expired.is_cancelled()
+            || matches!(self.health.admission(), Admission::PausedUntil(_))
+            || !self.lease_allows_a_call(lease)
+        {
             return Some(Verdict::Deferred);
         }
-        let started = tokio::select! {
-            started = self.health.start_call() => started,
+        let turn = tokio::select! {
+            turn = self.health.start_call() => turn,
             () = expired.cancelled() => return Some(Verdict::Deferred),
         };
         // The rate limit's wait may have outlasted a pause asked for meanwhile, or the lease.
@@ -198,7 +202,7 @@ impl<E: Executor> Calls<E> {
             self.crashed.store(true, Ordering::SeqCst);
             return None;
         }
-        let verdict = self.judge(row, started, call);
+        let verdict = self.judge(row, turn, call);
         Some(match verdict {
             // Its own failure, and its last attempt: ask the destination before giving up.
             Verdict::Failed(failed)
@@ -216,7 +220,8 @@ impl<E: Executor> Calls<E> {
     }
 
     /// What a call's result makes of its row, and what it tells of the destination.
-    fn judge(&self, row: &OutboxRow, started: Instant, call: Call) -> Verdict {
+    fn judge(&self, row: &OutboxRow, turn: Turn, call: Call) -> Verdict {
+        let started = turn.started;
         let health = &self.health;
         let backoff_max = self.config.lane.backoff_max;
         // A wait asked for is honoured in full, up to `max_age`: past it the action is given
@@ -268,7 +273,7 @@ impl<E: Executor> Calls<E> {
             }
             Call::Answered(Outcome::RateLimited { reason, after }) => {
                 let after = after.map(|a| a.min(max_wait));
-                let wait = health.rate_limited(started, after);
+                let wait = health.rate_limited(turn, after);
                 let mut failed = Failed::new(Failure::Outage, reason);
                 failed.unsent = true;
                 // Its turn at the slower rate, not an outage's wait: a 429 without

@@ -8,16 +8,20 @@ use crate::relay::{AfterPublish, QuarantinePolicy, RelayConfig};
 /// `max_age`, and deadlines that far ahead stay representable.
 const MAX_AGE_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// Least [`DispatcherConfig::max_rate`]: one call every 11.6 days.
+const MIN_MAX_RATE: f64 = 1e-6;
+
 /// Largest [`DispatcherConfig::max_answer_bytes`].
 const MAX_ANSWER_BYTES: usize = 32 << 20;
 /// Largest `batch_size` x `max_answer_bytes`.
-const MAX_BATCH_ANSWER_BYTES: usize = 512 << 20;
+pub(super) const MAX_BATCH_ANSWER_BYTES: usize = 512 << 20;
 
 /// Settings of a [`super::Dispatcher`].
 ///
 /// Claiming, retrying, quarantining, waking up and shutting down work as the relay's do, with
 /// the same settings ([`RelayConfig`], in [`Self::lane`]); a dispatcher claims at most 32
-/// actions at a time by default, and never more than it has free call slots.
+/// actions at a time by default, ahead of its free call slots, and claims again once fewer
+/// than that wait for a slot.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct DispatcherConfig {
@@ -153,11 +157,14 @@ impl DispatcherConfig {
         if self.max_in_flight == 0 {
             return bad("max_in_flight must be at least 1".into());
         }
+        // Below a call every 11.6 days, the time between calls is past what an instant holds.
         if self
             .max_rate
-            .is_some_and(|rate| !rate.is_finite() || rate <= 0.0)
+            .is_some_and(|rate| !rate.is_finite() || rate < MIN_MAX_RATE)
         {
-            return bad("max_rate must be a positive number of calls per second".into());
+            return bad(format!(
+                "max_rate must be at least {MIN_MAX_RATE} calls per second (a finite number)"
+            ));
         }
         if self.max_age.is_zero() || self.max_age > MAX_AGE_LIMIT {
             return bad("max_age must be more than zero and at most 365 days".into());

@@ -78,9 +78,9 @@ struct State {
     /// The next moment a call may start (the token bucket's theoretical arrival time).
     next_call: Instant,
     last_rate_limited: Option<Instant>,
-    /// When the rate was last decreased: a 429 to a call started before it was answered to
-    /// the rate before, and decreases nothing more.
-    last_decrease: Option<Instant>,
+    /// Decreases so far: a 429 to a call whose turn was booked at an earlier rate answers
+    /// that rate, and decreases nothing more.
+    rate_epoch: u64,
     rate_after_decrease: f64,
     /// Calls started in the current one-second window, and in the last full one.
     window_start: Instant,
@@ -97,6 +97,13 @@ struct State {
 
 /// Most actions [`State::failed_before`] remembers; past it, it starts over.
 const REMEMBERED_FAILURES: usize = 10_000;
+
+/// A call's turn: when it started, and at which rate its turn was booked.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Turn {
+    pub(crate) started: Instant,
+    rate_epoch: u64,
+}
 
 /// The health and rate of one destination, shared by a dispatcher's calls.
 #[derive(Debug)]
@@ -127,7 +134,7 @@ impl Health {
                 rate: max_rate,
                 next_call: now,
                 last_rate_limited: None,
-                last_decrease: None,
+                rate_epoch: 0,
                 rate_after_decrease: max_rate.unwrap_or(0.0),
                 window_start: now,
                 window_calls: 0,
@@ -179,26 +186,30 @@ impl Health {
         state.down_since.and(state.reason.clone())
     }
 
-    /// Waits for the rate limit, then returns when the call starts.
-    pub(crate) async fn start_call(&self) -> Instant {
-        let at = {
+    /// Waits for the rate limit, then returns the call's turn.
+    pub(crate) async fn start_call(&self) -> Turn {
+        let (at, rate_epoch) = {
             let mut state = self.state();
             let now = Instant::now();
             if state.recent_starts.len() >= RECENT_STARTS {
                 state.recent_starts.pop_front();
             }
             state.recent_starts.push_back(now);
-            match state.rate {
+            let at = match state.rate {
                 Some(rate) => {
                     let at = state.next_call.max(now);
                     state.next_call = at + Duration::from_secs_f64(1.0 / rate);
                     at
                 }
                 None => now,
-            }
+            };
+            (at, state.rate_epoch)
         };
         tokio::time::sleep_until(at).await;
-        Instant::now()
+        Turn {
+            started: Instant::now(),
+            rate_epoch,
+        }
     }
 
     /// A call that the destination answered (done, or refused for the action's own reason).
@@ -285,10 +296,10 @@ impl Health {
         state.reason = Some(outbox_core::escape(reason).to_string());
     }
 
-    /// The destination limits the rate (a 429 to a call that started at `started`): slow every
-    /// call down, and call nothing before `after`, when it asked. Returns how long the action
-    /// waits: `after`, or its turn at the new rate.
-    pub(crate) fn rate_limited(&self, started: Instant, after: Option<Duration>) -> Duration {
+    /// The destination limits the rate (a 429 to the call of `turn`): slow every call down,
+    /// and call nothing before `after`, when it asked. Returns how long the action waits:
+    /// `after`, or its turn at the new rate.
+    pub(crate) fn rate_limited(&self, turn: Turn, after: Option<Duration>) -> Duration {
         let mut state = self.state();
         let now = Instant::now();
         if let Some(after) = after {
@@ -296,22 +307,27 @@ impl Health {
             state.paused_until = Some(state.paused_until.map_or(until, |u| u.max(until)));
         }
         state.last_rate_limited = Some(now);
-        let turn = |rate: Option<f64>| {
+        let wait = |rate: Option<f64>| {
             after.unwrap_or_else(|| {
                 rate.map_or(MIN_WAIT, |r| Duration::from_secs_f64(1.0 / r).max(MIN_WAIT))
             })
         };
-        // One decrease per rate: the calls in flight when the first 429 came back were sent
-        // at the rate before, and decreasing for each would stop the dispatcher.
-        if state.last_decrease.is_some_and(|at| started <= at) {
-            return turn(state.rate);
+        // One decrease per rate: the calls whose turns were booked before the last decrease
+        // were paced by the rate before (or by none), and decreasing for each brought 200/s
+        // down to 18/s within a millisecond, 64 calls started at once answering 429 one
+        // after the other.
+        if turn.rate_epoch != state.rate_epoch {
+            return wait(state.rate);
         }
-        state.last_decrease = Some(now);
+        state.rate_epoch += 1;
         let current = state.rate.unwrap_or_else(|| {
-            // The calls answered per second; before any was, the calls started in the last
-            // second (more than the destination takes: the decreases that follow, one per
-            // round trip, bring it down). The current window is at most a second old once a
-            // call was answered in it.
+            // The calls sent per second, over the time they were sent in (at most the last
+            // second, at least 50 ms), or the calls answered per second, whichever is more:
+            // an over-estimate, which the decreases that follow (one per round trip) bring
+            // down in a fraction of a second, where an under-estimate takes the additive
+            // increase minutes to make up (bench P9d, 2026-12-07: the first 429 came 10
+            // answers after a start that counted as 0.3 s, and the rate set out from 26/s
+            // against an API taking 200/s).
             let elapsed = now
                 .duration_since(state.window_start)
                 .as_secs_f64()
@@ -319,17 +335,15 @@ impl Health {
             let answered =
                 f64::from(state.last_window_calls).max(f64::from(state.window_calls) / elapsed);
             let second_ago = now.checked_sub(Duration::from_secs(1));
-            let started = state
+            let recent = state
                 .recent_starts
                 .iter()
-                .filter(|&&at| second_ago.is_none_or(|ago| at >= ago))
-                .count();
-            let observed = if answered >= 1.0 {
-                answered
-            } else {
-                started as f64
-            };
-            observed.max(MIN_RATE)
+                .filter(|&&at| second_ago.is_none_or(|ago| at >= ago));
+            let (sent, oldest) = recent.fold((0_u32, now), |(n, oldest), &at| {
+                (n.saturating_add(1), oldest.min(at))
+            });
+            let span = now.duration_since(oldest).as_secs_f64().clamp(0.05, 1.0);
+            answered.max(f64::from(sent) / span).max(MIN_RATE)
         });
         let floor = self.ceiling.map_or(MIN_RATE, |c| c.min(MIN_RATE));
         let rate = (current * DECREASE).max(floor);
@@ -339,7 +353,7 @@ impl Health {
             calls_per_second = rate,
             "the destination limits the rate; slowing down"
         );
-        turn(Some(rate))
+        wait(Some(rate))
     }
 
     /// The destination asked for a wait (`Retry-After` on a 5xx): call nothing before it.
@@ -373,11 +387,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failure_is_the_actions_only_if_another_call_succeeded_since_it_started() {
         let h = health(None);
-        let started = h.start_call().await;
+        let started = h.start_call().await.started;
         tokio::time::advance(Duration::from_millis(5)).await;
         h.succeeded();
         assert_eq!(h.failed(EventId::new(), started, "503"), Blame::Action);
-        let later = h.start_call().await;
+        let later = h.start_call().await.started;
         assert_eq!(h.failed(EventId::new(), later, "503"), Blame::Destination);
         assert_eq!(
             h.admission(),
@@ -390,13 +404,13 @@ mod tests {
     async fn an_action_failing_alone_is_charged_once_others_succeeded_since_its_last_failure() {
         let h = health(None);
         let lonely = EventId::new();
-        let first = h.start_call().await;
+        let first = h.start_call().await.started;
         assert_eq!(h.failed(lonely, first, "500"), Blame::Destination);
         tokio::time::advance(Duration::from_millis(5)).await;
         // Another action's call succeeds between its tries, none during its second.
         h.succeeded();
         tokio::time::advance(Duration::from_millis(5)).await;
-        let second = h.start_call().await;
+        let second = h.start_call().await.started;
         assert_eq!(h.failed(lonely, second, "500"), Blame::Action);
     }
 
@@ -404,7 +418,7 @@ mod tests {
     async fn failures_in_a_row_take_the_destination_down_until_a_call_succeeds() {
         let h = health(None);
         for _ in 0..DOWN_AFTER {
-            let started = h.start_call().await;
+            let started = h.start_call().await.started;
             assert_eq!(h.failed(EventId::new(), started, "503"), Blame::Destination);
         }
         assert!(matches!(h.admission(), Admission::PausedUntil(_)));
@@ -423,7 +437,7 @@ mod tests {
         assert_eq!(h.admission(), Admission::Probe);
         // A failed probe waits longer before the next.
         h.probing();
-        let probe = h.start_call().await;
+        let probe = h.start_call().await.started;
         h.failed(EventId::new(), probe, "503");
         let Admission::PausedUntil(next) = h.admission() else {
             panic!("paused after a failed probe");
@@ -478,11 +492,64 @@ mod tests {
         assert!(rate > 50.0, "{rate}");
     }
 
+    /// The first 429s came 10 answers into a start that counted as 0.3 s: the rate set out
+    /// from 26/s against an API taking 200/s, and climbed back by 1.3/s per second (bench
+    /// P9d, 2026-12-07).
+    #[tokio::test(start_paused = true)]
+    async fn a_429_early_on_slows_down_from_the_calls_sent_over_the_time_they_took() {
+        let h = health(None);
+        tokio::time::advance(Duration::from_millis(300)).await;
+        let mut first = None;
+        for _ in 0..64 {
+            first.get_or_insert(h.start_call().await);
+        }
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for _ in 0..10 {
+            h.succeeded();
+        }
+        h.rate_limited(first.expect("a call"), None);
+        let (rate, _) = h.rate().expect("a rate");
+        // 64 calls sent within 50 ms: at least 1,280/s, 1,088/s after the decrease.
+        assert!(rate > 1000.0, "{rate}");
+    }
+
+    /// 64 calls started at once, before any rate: each 429 came after the last decrease and
+    /// decreased again, 200/s down to 18/s within a millisecond (the decreases counted from
+    /// when a call started, not from the rate its turn was booked at).
+    #[tokio::test(start_paused = true)]
+    async fn calls_booked_before_a_decrease_decrease_nothing_more_whenever_they_start() {
+        let h = health(None);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let mut turns = Vec::new();
+        for _ in 0..64 {
+            turns.push(h.start_call().await);
+        }
+        h.rate_limited(turns[0], None);
+        let (first, _) = h.rate().expect("a rate");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        for turn in &turns[1..] {
+            // Booked before the decrease, started (woken) after it.
+            let late = Turn {
+                started: Instant::now(),
+                ..*turn
+            };
+            h.rate_limited(late, None);
+        }
+        assert_eq!(h.rate().map(|(r, _)| r), Some(first), "one decrease");
+        let paced = h.start_call().await;
+        h.rate_limited(paced, None);
+        let (second, _) = h.rate().expect("a rate");
+        assert!(
+            (second - first * DECREASE).abs() < 1e-6,
+            "{second} after {first}"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn retry_after_pauses_the_whole_destination_in_full() {
         let h = health(None);
-        let started = h.start_call().await;
-        h.rate_limited(started, Some(Duration::from_secs(3600)));
+        let turn = h.start_call().await;
+        h.rate_limited(turn, Some(Duration::from_secs(3600)));
         let Admission::PausedUntil(until) = h.admission() else {
             panic!("paused");
         };

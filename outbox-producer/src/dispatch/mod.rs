@@ -203,9 +203,10 @@ impl<E: Executor> Dispatcher<E> {
         run::run_once(&self.lane).await
     }
 
-    /// Runs until `shutdown` is cancelled: claims as many actions as it has free call slots
-    /// (`max_in_flight`), leased and committed at once; performs each key's on a task of its
-    /// own; records each verdict as it arrives. While the destination is down it claims
+    /// Runs until `shutdown` is cancelled: claims up to `batch_size` actions, leased and
+    /// committed at once, whenever fewer than that wait for one of the `max_in_flight` call
+    /// slots; performs each key's on a task of its own once it has a slot; records each
+    /// verdict as it arrives. While the destination is down it claims
     /// nothing but one probe at a time. Wakes on a committing writer's `NOTIFY`, or every
     /// `poll_interval`.
     ///

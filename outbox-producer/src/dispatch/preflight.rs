@@ -43,6 +43,7 @@ const WRITES: &[&str] = &[
 /// Fails with [`ProducerError::Config`] naming what is missing: the columns of migrations not
 /// run, or the privileges the connection's role lacks.
 pub(crate) async fn check(conn: &mut PgConnection, table: &Ident) -> Result<(), ProducerError> {
+    outbox_core::check_server_version(&mut *conn).await?;
     let columns: Vec<&str> = READS.iter().chain(WRITES).copied().collect();
     let missing: Vec<String> = sqlx::query_scalar(
         "SELECT c FROM unnest($1::text[]) AS c \

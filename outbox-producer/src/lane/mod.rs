@@ -32,6 +32,7 @@ pub(crate) use record::outage_wait;
 #[cfg(test)]
 pub(crate) use row::test_row;
 pub(crate) use row::{OutboxRow, chains};
+pub(crate) use run_loop::{SHUTDOWN_DB_MARGIN, bounded};
 
 use crate::ProducerError;
 use crate::relay::RelayConfig;

@@ -15,9 +15,35 @@ use super::{Destination, Lane};
 use crate::ProducerError;
 use crate::relay::BatchReport;
 
-/// After shutdown's grace period, how long a batch may still take to record what the
-/// destination acknowledged before [`Lane::run`] returns without it.
-const SHUTDOWN_DB_MARGIN: Duration = Duration::from_millis(500);
+/// After shutdown's grace period, how long a batch (or a dispatcher's claim or record) may
+/// still take to record what the destination acknowledged before the loop returns without it.
+pub(crate) const SHUTDOWN_DB_MARGIN: Duration = Duration::from_millis(500);
+
+/// Runs `work` (a batch, a claim, a record) on a task of its own. Until shutdown it runs to
+/// the end; after the signal, it has until the grace period's end (`expired`) and
+/// [`SHUTDOWN_DB_MARGIN`]. Work still waiting on the database then is left to its task,
+/// never cancelled mid-statement (a future dropped inside `begin()` or a query can put a
+/// connection back in the pool with its transaction open): it commits or rolls back when the
+/// database answers, or its connection dies with the process. `None` if it was left.
+pub(crate) async fn bounded<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+    expired: &CancellationToken,
+) -> Option<T> {
+    let mut task = tokio::spawn(work.in_current_span());
+    let deadline = async {
+        expired.cancelled().await;
+        tokio::time::sleep(SHUTDOWN_DB_MARGIN).await;
+    };
+    tokio::select! {
+        joined = &mut task => match joined {
+            Ok(result) => Some(result),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Never aborted: only a runtime shutting down cancels it.
+            Err(_) => None,
+        },
+        () = deadline => None,
+    }
+}
 
 /// Longest pause after a failed batch (database unreachable).
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -133,32 +159,13 @@ impl<D: Destination> Lane<D> {
         }
     }
 
-    /// One batch, on a task of its own. Until shutdown it runs to the end; after the signal,
-    /// it has until the grace period's end (plus [`SHUTDOWN_DB_MARGIN`] to record what was
-    /// acknowledged by then). A batch still waiting on the database then is left to its task,
-    /// never cancelled mid-statement (a future dropped inside `begin()` or a query can put a
-    /// connection back in the pool with its transaction open): it commits or rolls back when
-    /// the database answers, or its connection dies with the process. `None` if it was left.
+    /// One batch, [`bounded`] by shutdown's grace period.
     async fn bounded_batch(
         self: &Arc<Self>,
         expired: &CancellationToken,
     ) -> Option<Result<BatchReport, ProducerError>> {
-        let mut batch = tokio::spawn({
-            let (lane, expired) = (Arc::clone(self), expired.clone());
-            async move { lane.run_batch(true, &expired).await }.in_current_span()
-        });
-        let deadline = async {
-            expired.cancelled().await;
-            tokio::time::sleep(SHUTDOWN_DB_MARGIN).await;
-        };
-        tokio::select! {
-            joined = &mut batch => Some(match joined {
-                Ok(result) => result,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(e) => Err(ProducerError::Config(format!("outbox batch task failed: {e}"))),
-            }),
-            () = deadline => None,
-        }
+        let (lane, until) = (Arc::clone(self), expired.clone());
+        bounded(async move { lane.run_batch(true, &until).await }, expired).await
     }
 }
 

@@ -357,6 +357,14 @@ where
                 return Err(failure);
             }
         };
+        if first.is_none() && !new.is_empty() {
+            // Ids recorded, none processed (their handlers were cut short by a revocation):
+            // no check ran to let this COMMIT through the gate (migration 0015).
+            sqlx::query(inner.sql.allow_commit.clone())
+                .execute(&mut *tx)
+                .await
+                .map_err(BatchFailure::from_statement)?;
+        }
         tx.commit().await.map_err(BatchFailure::from_statement)?;
         self.committed(messages, items, &outcomes).await;
         Ok(outcomes)

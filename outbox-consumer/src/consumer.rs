@@ -166,6 +166,9 @@ pub(crate) struct Inner<P, H> {
     pub(crate) expect_duplicates: std::sync::atomic::AtomicBool,
     /// Bytes fetched and not yet handled, against `prefetch_budget_bytes`.
     pub(crate) prefetch: crate::prefetch::Budget,
+    /// Connections cut from outside under each message's transaction, in a row
+    /// (`dedup_transaction::Cuts`).
+    pub(crate) cuts: crate::dedup_transaction::Cuts,
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
@@ -292,6 +295,7 @@ where
     /// ```
     pub fn new(pool: PgPool, config: ConsumerConfig, handler: H) -> Result<Self, ConsumerError> {
         let name = config.validate()?;
+        crate::headers::self_test().map_err(ConsumerError::Config)?;
         let cache = Cache::builder()
             .max_capacity(config.cache_capacity)
             .time_to_live(config.cache_ttl)
@@ -309,6 +313,7 @@ where
                 counters: Counters::default(),
                 expect_duplicates: std::sync::atomic::AtomicBool::new(false),
                 prefetch,
+                cuts: crate::dedup_transaction::Cuts::default(),
                 _payload: std::marker::PhantomData,
                 #[cfg(feature = "fault-injection")]
                 crash_after_commit: std::sync::atomic::AtomicBool::new(false),

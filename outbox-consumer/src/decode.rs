@@ -100,8 +100,19 @@ pub(crate) fn decode<P: DeserializeOwned>(
         let error = format!("event type {event_type:?} is not accepted");
         return Err(Rejected::new("unknown_type", error, uuid));
     }
-    let payload = serde_json::from_value(payload)
-        .map_err(|e| Rejected::new("wrong_shape", e.to_string(), uuid))?;
+    // A hand-written `Deserialize` may panic (`.parse().unwrap()` on a field): the record is
+    // quarantined like one of the wrong shape. Uncaught, the panic killed the partition's
+    // worker, and every member taking the partition over died on the same offset.
+    let payload = match std::panic::catch_unwind(|| serde_json::from_value::<P>(payload)) {
+        Ok(decoded) => decoded.map_err(|e| Rejected::new("wrong_shape", e.to_string(), uuid))?,
+        Err(panic) => {
+            let error = format!(
+                "the payload's Deserialize panicked: {}",
+                crate::dedup_transaction::panic_message(&*panic)
+            );
+            return Err(Rejected::new("deserialize_panicked", error, uuid));
+        }
+    };
     Ok(Event {
         id,
         key: aggregate_id,

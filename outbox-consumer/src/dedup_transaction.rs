@@ -11,12 +11,12 @@ use rdkafka::message::OwnedMessage;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::consumer::bump;
 use crate::failure::{
-    AttemptError, describe, handler_sql_error, is_connection_lost, is_outage, is_outage_alone,
+    AttemptError, Lost, describe, handler_sql_error, is_connection_lost, is_outage, lost_alone,
 };
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, is_missing_slice};
@@ -167,7 +167,7 @@ where
             return Ok(Outcome::DuplicateStored);
         }
         let verdict = match run_handler(&inner.handler, event, &mut tx).await {
-            Err(error) => Err(handler_failure(&inner.pool, error, began.elapsed()).await),
+            Err(error) => Err(handler_failure(inner, id, error, began.elapsed()).await),
             Ok(()) => check_open(inner, &mut tx, id, slice, Some(began)).await,
         };
         if let Err(failure) = verdict {
@@ -201,15 +201,89 @@ pub(crate) async fn run_handler<P, H: Handler<P>>(
     AssertUnwindSafe(async { handler.handle(event, conn).await })
         .catch_unwind()
         .await
-        .unwrap_or_else(|panic| Err(HandlerError::retry(panic_message(&panic))))
+        .unwrap_or_else(|panic| {
+            Err(HandlerError::retry(format!(
+                "handler panicked: {}",
+                panic_message(&*panic)
+            )))
+        })
+}
+
+/// Cuts from outside a message's transaction may take in a row before each further one
+/// counts as an attempt: a network reset or a failover costs a message nothing, but a proxy's
+/// or a NAT's idle limit below how long its handler holds the transaction (PgBouncer's
+/// `idle_transaction_timeout`, SQLSTATE 08P01 to the client) cuts every try, and uncharged the
+/// message was retried forever, its partition stalled with no handler error counted.
+pub(crate) const CUTS_UNCHARGED: u32 = 5;
+
+/// Most messages whose cuts [`Cuts`] remembers; past it, it starts over.
+const CUTS_REMEMBERED: usize = 1024;
+
+/// Connections cut from outside under each message's transaction, in a row.
+#[derive(Debug, Default)]
+pub(crate) struct Cuts(std::sync::Mutex<std::collections::HashMap<Uuid, u32>>);
+
+impl Cuts {
+    /// Counts a cut under `id`'s transaction; how many in a row it makes.
+    fn cut(&self, id: Uuid) -> u32 {
+        let mut cuts = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cuts.len() >= CUTS_REMEMBERED && !cuts.contains_key(&id) {
+            cuts.clear();
+        }
+        let n = cuts.entry(id).or_default();
+        *n = n.saturating_add(1);
+        *n
+    }
+
+    fn forget(&self, id: Uuid) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&id);
+    }
+}
+
+/// What a connection lost under `id`'s transaction (`error`, `held` since it began) counts
+/// as ([`lost_alone`]): an outage is retried uncharged, as is a cut from outside, until the
+/// message's transactions were cut [`CUTS_UNCHARGED`] times in a row.
+async fn lost_under<P, H>(
+    inner: &crate::consumer::Inner<P, H>,
+    id: Uuid,
+    error: sqlx::Error,
+    held: Duration,
+    failure: impl FnOnce(sqlx::Error) -> AttemptError,
+) -> AttemptError {
+    match lost_alone(&inner.pool, &error, held).await {
+        Lost::Outage => AttemptError::Unavailable(error),
+        Lost::Cut => match inner.cuts.cut(id) {
+            n if n <= CUTS_UNCHARGED => AttemptError::Unavailable(error),
+            n => AttemptError::Failed {
+                reason: "handler_failed",
+                error: format!(
+                    "the connection was cut under the message's transaction {n} times in a row \
+                     while the database answered on others (a proxy's or a NAT's idle limit \
+                     below how long the handler holds it?): {}",
+                    describe(&error)
+                ),
+                retry: true,
+            },
+        },
+        Lost::Failure => {
+            inner.cuts.forget(id);
+            failure(error)
+        }
+    }
 }
 
 /// What a handler's error counts as: [`AttemptError::from_handler`], except that the
 /// transaction's connection lost under the handler is its failure if the server ended the
-/// session for its holding it (`is_outage_alone`: the transaction was `held` that long, and the
-/// database answers on another connection).
-pub(crate) async fn handler_failure(
-    pool: &PgPool,
+/// session for its holding it, or after repeated cuts ([`lost_under`]).
+pub(crate) async fn handler_failure<P, H>(
+    inner: &crate::consumer::Inner<P, H>,
+    id: Uuid,
     error: HandlerError,
     held: Duration,
 ) -> AttemptError {
@@ -217,14 +291,13 @@ pub(crate) async fn handler_failure(
         .filter(|e| is_connection_lost(e))
         .map(describe);
     match (AttemptError::from_handler(error), lost) {
-        (AttemptError::Unavailable(error), Some(lost))
-            if !is_outage_alone(pool, &error, held).await =>
-        {
-            AttemptError::Failed {
+        (AttemptError::Unavailable(error), Some(lost)) => {
+            lost_under(inner, id, error, held, |_| AttemptError::Failed {
                 reason: "handler_failed",
                 error: lost,
                 retry: true,
-            }
+            })
+            .await
         }
         (failure, _) => failure,
     }
@@ -236,7 +309,7 @@ pub(crate) async fn handler_failure(
 /// read that answer, so a handler that ignored a failed statement would otherwise pass for
 /// committed; a handler that ran `ROLLBACK; BEGIN` would leave a transaction open without the
 /// dedup rows or the effects before it. One statement per transaction, not per message.
-/// `alone`: when the transaction of one message began (see `is_outage_alone`); a batch's is
+/// `alone`: when the transaction of one message began (see `lost_under`); a batch's is
 /// replayed a message at a time when its connection was lost with the database answering.
 pub(crate) async fn check_open<P, H>(
     inner: &crate::consumer::Inner<P, H>,
@@ -257,23 +330,24 @@ pub(crate) async fn check_open<P, H>(
             "the handler ended the transaction itself (its dedup row is not in the transaction \
              open at COMMIT)",
         )),
-        Err(error)
-            if match alone {
-                Some(began) => is_outage_alone(&inner.pool, &error, began.elapsed()).await,
-                None => is_outage(&inner.pool, &error).await,
-            } =>
-        {
-            Err(AttemptError::Unavailable(error))
-        }
-        Err(error) => Err(AttemptError::aborted_by_handler(&describe(&error))),
+        Err(error) => Err(match alone {
+            Some(began) => {
+                lost_under(inner, id, error, began.elapsed(), |e| {
+                    AttemptError::aborted_by_handler(&describe(&e))
+                })
+                .await
+            }
+            None if is_outage(&inner.pool, &error).await => AttemptError::Unavailable(error),
+            None => AttemptError::aborted_by_handler(&describe(&error)),
+        }),
     }
 }
 
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    let text = panic
+/// A panic's message, or what it was when it had none.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic".to_owned());
-    format!("handler panicked: {text}")
+        .unwrap_or_else(|| "non-string panic".to_owned())
 }

@@ -186,30 +186,43 @@ const SESSION_TIMEOUT: &str = "SELECT COALESCE(min(setting::bigint) FILTER (WHER
 /// Whether `error`, met on the connection of a transaction that handlers ran on, means the
 /// database is unavailable: a connection lost is only if the database does not answer on
 /// another one either. (In a batch the messages are then replayed alone, and the one at
-/// fault, if any, is found by [`is_outage_alone`].)
+/// fault, if any, is found by [`lost_alone`].)
 pub(crate) async fn is_outage(pool: &PgPool, error: &sqlx::Error) -> bool {
     is_unavailable(error) && !(is_connection_lost(error) && database_answers(pool).await.is_some())
 }
 
-/// [`is_outage`] for the transaction of one message, `held` since it began. Its connection
-/// lost with the database answering is the message's failure only if the server could have
-/// ended the session for the handler's holding it (it sends its reason, SQLSTATE 25P03, to the
-/// next statement, which the handler may have swallowed, and closes the connection): the
-/// transaction was held at least as long as the server's timeout. Otherwise the connection
-/// was cut from outside (a network reset, a failover behind a proxy), and the message is
-/// retried without counting. A protocol error stays this connection's (and the message's).
-pub(crate) async fn is_outage_alone(pool: &PgPool, error: &sqlx::Error, held: Duration) -> bool {
+/// What a connection lost under one message's transaction, `held` since it began, was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lost {
+    /// The message's failure: not an outage at all, or the server could have ended the
+    /// session for the handler's holding it (it sends its reason, SQLSTATE 25P03, to the next
+    /// statement, which the handler may have swallowed, and closes the connection).
+    Failure,
+    /// The database does not answer on another connection either.
+    Outage,
+    /// Cut from outside, the database answering on another connection (a network reset, a
+    /// failover behind a proxy; or a proxy's or a NAT's idle limit below how long the handler
+    /// holds the transaction, which cuts every try: see `CUTS_UNCHARGED`).
+    Cut,
+}
+
+/// What `error` met on the transaction of one message, `held` since it began, was (see
+/// [`Lost`]). A protocol error stays this connection's (and the message's).
+pub(crate) async fn lost_alone(pool: &PgPool, error: &sqlx::Error, held: Duration) -> Lost {
     if !is_unavailable(error) {
-        return false;
+        return Lost::Failure;
     }
     if !is_connection_lost(error) {
-        return true;
+        return Lost::Outage;
     }
     match database_answers(pool).await {
-        None => true,
-        Some(timeout) => {
-            matches!(error, sqlx::Error::Io(_)) && (timeout.is_zero() || held < timeout)
+        None => Lost::Outage,
+        Some(timeout)
+            if matches!(error, sqlx::Error::Io(_)) && (timeout.is_zero() || held < timeout) =>
+        {
+            Lost::Cut
         }
+        Some(_) => Lost::Failure,
     }
 }
 

@@ -191,6 +191,30 @@ fn get(headers: &OwnedHeaders, idx: usize) -> Option<(&[u8], Option<&[u8]>)> {
     }
 }
 
+/// Checks the header reader against the librdkafka linked in: a header named `id\0x` must read
+/// back as those 4 bytes, with its value. A librdkafka whose header layout differs (another
+/// version, a `dynamic-linking` build) would otherwise read names wrong, or out of bounds.
+pub(crate) fn self_test() -> Result<(), String> {
+    let headers = OwnedHeaders::new()
+        .insert(rdkafka::message::Header {
+            key: "id\0x",
+            value: Some(b"v".as_slice()),
+        })
+        .insert(rdkafka::message::Header {
+            key: "k",
+            value: None::<&[u8]>,
+        });
+    match (get(&headers, 0), get(&headers, 1)) {
+        (Some((b"id\0x", Some(b"v"))), Some((b"k", None))) => Ok(()),
+        other => Err(format!(
+            "this build's librdkafka stores Kafka headers differently from the one the consumer \
+             was written for (librdkafka 2.12.1 through rdkafka-sys 4.10.0): a header named \
+             \"id\\0x\" read back as {other:?}; build against the pinned version (no \
+             `dynamic-linking`)"
+        )),
+    }
+}
+
 /// A message of topic `t` with `headers`, for the crate's unit tests.
 #[cfg(test)]
 pub(crate) fn test_message(headers: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
@@ -215,6 +239,11 @@ pub(crate) fn test_message(headers: &[(&str, Option<&[u8]>)]) -> OwnedMessage {
 mod tests {
     use super::test_message as message;
     use super::*;
+
+    #[test]
+    fn the_self_test_passes_on_the_librdkafka_linked_in() {
+        assert_eq!(self_test(), Ok(()));
+    }
 
     #[test]
     fn names_are_read_in_full_whatever_their_bytes() {

@@ -107,6 +107,19 @@ where
                 "run takes a subscribed consumer; its partitions were assigned by hand".to_owned(),
             ));
         }
+        // The server's version, if it answers at start (an outage is waited out later, as
+        // any): on one too old every event would be quarantined.
+        if let Ok(Ok(mut conn)) =
+            tokio::time::timeout(std::time::Duration::from_secs(5), self.inner.pool.acquire()).await
+        {
+            match outbox_core::check_server_version(&mut conn).await {
+                Err(error @ outbox_core::CoreError::UnsupportedServer(_)) => {
+                    return Err(error.into());
+                }
+                Err(error) => tracing::warn!(%error, "cannot read the server's version"),
+                Ok(()) => {}
+            }
+        }
         let mut changes = watch_rebalances(&consumer);
         let permits = Arc::new(Semaphore::new(self.inner.config.max_concurrent_partitions));
         let mut workers = JoinSet::new();

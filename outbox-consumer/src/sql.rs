@@ -25,12 +25,16 @@ pub(crate) struct ConsumerSql {
     /// [`LATE_ID_LOCKS`] per (dedup table, consumer).
     pub(crate) lock_late_ids: SqlStr,
     /// Run before COMMIT (`failure.rs`): whether the dedup row of consumer `$1`, id `$2`, slice
-    /// `$3` is visible and was inserted by the transaction now open. Fails with SQLSTATE 25P02
+    /// `$3` is visible and was inserted by the transaction now open; it also lets the
+    /// consumer's COMMIT through migration 0015's gate (and deletes the gate's row). Fails with SQLSTATE 25P02
     /// in an aborted transaction (and with the server's error if it ended the session); false
     /// if the transaction that holds the dedup rows was ended by a handler (`ROLLBACK`, or
     /// `COMMIT`, with or without a `BEGIN` after it). A row's `xmin` is the 32-bit `xid` of
     /// the transaction that inserted it; the current transaction's is the `xid8` cast down.
     pub(crate) holds_dedup_row: SqlStr,
+    /// Lets the consumer's own COMMIT through migration 0015's gate, where no
+    /// [`Self::holds_dedup_row`] ran (no message of the transaction was processed).
+    pub(crate) allow_commit: SqlStr,
     /// The ids of `$2` recorded for consumer `$1` in any slice.
     pub(crate) find_recorded: SqlStr,
     pub(crate) quarantine: SqlStr,
@@ -40,22 +44,33 @@ impl ConsumerSql {
     pub(crate) fn new(tables: &TableNames) -> Self {
         let dedup = &tables.consumer_dedup;
         let quarantine = &tables.consumer_quarantine;
+        // Migration 0015's gate: a row per transaction that records ids, whose deferred check
+        // fails any COMMIT but the consumer's own (`holds_dedup_row` allows it).
+        // An `Ident` is lowercase letters, digits and '_': the suffixed name stays one.
+        let gate = format!("\"{}_gate\"", dedup.as_str());
+        let with_gate = |insert: String| {
+            format!(
+                "WITH ins AS ({insert} RETURNING event_id), \
+                      gate AS (INSERT INTO {gate} SELECT WHERE EXISTS (SELECT FROM ins)) \
+                 SELECT event_id FROM ins"
+            )
+        };
         Self {
-            insert_dedup: AssertSqlSafe(format!(
+            insert_dedup: AssertSqlSafe(with_gate(format!(
                 "INSERT INTO {dedup} (consumer, event_id, slice) VALUES ($1, $2, $3) \
                  ON CONFLICT DO NOTHING"
-            ))
+            )))
             .into_sql_str(),
-            insert_dedup_batch: AssertSqlSafe(format!(
+            insert_dedup_batch: AssertSqlSafe(with_gate(format!(
                 "INSERT INTO {dedup} (consumer, event_id, slice) \
                  SELECT $1, t.id, t.slice FROM unnest($2::uuid[], $3::int[]) AS t(id, slice) \
-                 ON CONFLICT DO NOTHING RETURNING event_id"
-            ))
+                 ON CONFLICT DO NOTHING"
+            )))
             .into_sql_str(),
-            insert_new_dedup_batch: AssertSqlSafe(format!(
+            insert_new_dedup_batch: AssertSqlSafe(with_gate(format!(
                 "INSERT INTO {dedup} (consumer, event_id, slice) \
                  SELECT $1, t.id, t.slice FROM unnest($2::uuid[], $3::int[]) AS t(id, slice)"
-            ))
+            )))
             .into_sql_str(),
             delete_dedup_batch: AssertSqlSafe(format!(
                 "DELETE FROM {dedup} WHERE consumer = $1 \
@@ -73,8 +88,15 @@ impl ConsumerSql {
             ))
             .into_sql_str(),
             holds_dedup_row: AssertSqlSafe(format!(
-                "SELECT EXISTS (SELECT FROM {dedup} WHERE consumer = $1 AND event_id = $2 \
-                 AND slice = $3 AND xmin = pg_current_xact_id_if_assigned()::xid)"
+                "WITH opened AS (DELETE FROM {gate} WHERE tx = pg_current_xact_id_if_assigned()) \
+                 SELECT set_config('outbox.consumer_commit', 'on', true) = 'on' \
+                    AND EXISTS (SELECT FROM {dedup} WHERE consumer = $1 AND event_id = $2 \
+                                AND slice = $3 AND xmin = pg_current_xact_id_if_assigned()::xid)"
+            ))
+            .into_sql_str(),
+            allow_commit: AssertSqlSafe(format!(
+                "WITH opened AS (DELETE FROM {gate} WHERE tx = pg_current_xact_id_if_assigned()) \
+                 SELECT set_config('outbox.consumer_commit', 'on', true)"
             ))
             .into_sql_str(),
             find_recorded: AssertSqlSafe(format!(

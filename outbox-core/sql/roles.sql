@@ -48,6 +48,8 @@ GRANT SELECT, UPDATE ON outbox_events TO outbox_relay;
 -- migrate` and `outbox prune dedup` make them ahead, and a day without one is recorded in the
 -- timeless slice (README, "Roles").
 GRANT SELECT, INSERT, DELETE ON outbox_consumer_dedup TO outbox_dedup_consumer;
+-- Its transactions' gate rows (migration 0015): inserted with the ids, deleted before COMMIT.
+GRANT SELECT, INSERT, DELETE ON outbox_consumer_dedup_gate TO outbox_dedup_consumer;
 GRANT INSERT, SELECT (consumer, topic, partition, "offset", record_digest)
     ON outbox_consumer_quarantine TO outbox_dedup_consumer;
 

@@ -24,6 +24,10 @@ pub enum CoreError {
     /// Applying the migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The PostgreSQL server is older than [`crate::MIN_POSTGRES`].
+    #[error("{0}")]
+    UnsupportedServer(String),
+
     /// The metrics endpoint could not be installed.
     #[error("{0}")]
     Metrics(String),

@@ -30,6 +30,7 @@ mod prune;
 mod quarantine_audit;
 mod quarantine_table;
 mod retry;
+mod server_version;
 pub mod trace;
 pub mod wire;
 
@@ -49,6 +50,7 @@ pub use quarantine_table::{
     ActionNote, QuarantineAction, QuarantineColumns, QuarantineSide, QuarantineTable,
 };
 pub use retry::backoff;
+pub use server_version::{MIN_POSTGRES, check_server_version};
 
 /// The grants of each part's least-privileged role, as SQL for the tables' owner to run
 /// (`outbox-core/sql/roles.sql`; the guide, operating, "Roles"). Roles are the operator's: it grants to

@@ -16,15 +16,24 @@ static EMBEDDED: Migrator = sqlx::migrate!("./migrations");
 /// `_sqlx_migrations`, so they never collide with the application's own sqlx migrations.
 pub static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| migrator(&TableNames::default()));
 
-/// Applies [`MIGRATOR`].
+/// Applies [`MIGRATOR`], on a server no older than [`crate::MIN_POSTGRES`].
 pub async fn migrate(pool: &PgPool) -> Result<(), CoreError> {
-    MIGRATOR.run(pool).await?;
-    Ok(())
+    migrate_with(pool, &TableNames::default()).await
 }
 
-/// Applies the migrations for custom table names (see [`migrator`]).
+/// Applies the migrations for custom table names (see [`migrator`]), on a server no older
+/// than [`crate::MIN_POSTGRES`].
 pub async fn migrate_with(pool: &PgPool, names: &TableNames) -> Result<(), CoreError> {
-    migrator(names).run(pool).await?;
+    // One connection for both: sqlx's migrator takes a session lock, and leaves it taken when a
+    // migration fails (a `lock_timeout`), so that connection must not go back to the pool: a
+    // later migrate on another connection would wait for the lock forever.
+    let mut conn = pool.acquire().await?;
+    crate::check_server_version(&mut conn).await?;
+    let migrated = migrator(names).run(&mut *conn).await;
+    if migrated.is_err() {
+        conn.close_on_drop();
+    }
+    migrated?;
     Ok(())
 }
 

@@ -385,7 +385,8 @@ async fn dedup_inserts<F: std::future::Future>(run: F) -> (F::Output, Vec<bool>)
     let inserts = statements
         .all()
         .iter()
-        .filter(|s| s.starts_with("INSERT INTO") && s.contains("outbox_consumer_dedup"))
+        // The dedup inserts (the statement also inserts the transaction's gate row).
+        .filter(|s| s.contains("INSERT INTO \"outbox_consumer_dedup\" (consumer, event_id, slice)"))
         .map(|s| s.contains("ON CONFLICT"))
         .collect();
     (output, inserts)

@@ -66,6 +66,10 @@ enum Care {
     RestartTransaction,
     /// Ends the transaction (`ROLLBACK`): what follows runs in autocommit.
     EndTransaction,
+    /// Commits the transaction itself (`COMMIT`), its error returned.
+    Commit,
+    /// Fails (returns an error to retry).
+    Fail,
 }
 
 /// A handler doing what `plan` says for each payload `n` (`Record` for the rest).
@@ -149,6 +153,10 @@ impl Handler<Step> for Careless {
                 Care::EndTransaction => {
                     sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await?;
                 }
+                Care::Commit => {
+                    sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+                }
+                Care::Fail => return Err(HandlerError::retry("careless handler failed")),
             }
             Ok(())
         }
@@ -317,8 +325,11 @@ async fn a_panicking_handler_fails_alone() -> Result<()> {
     )
     .await?;
     let rows = quarantined(&db.pool).await?;
+    // With the panic's own message (it read "non-string panic": the box was taken for the
+    // panic's payload).
     assert!(
-        rows.iter().all(|(_, _, e)| e.contains("handler panicked")),
+        rows.iter()
+            .all(|(_, _, e)| e.contains("handler panicked: careless handler panicked")),
         "{rows:?}"
     );
     Ok(())
@@ -777,5 +788,182 @@ async fn a_revoked_partitions_lone_retry_stops() -> Result<()> {
     seen.extend(rows.iter().map(|(p, _)| *p));
     seen.sort_unstable();
     assert_eq!(seen, [0, 1], "effects and quarantine rows: {rows:?}");
+    Ok(())
+}
+
+/// A payload whose hand-written `Deserialize` panics on a field it cannot parse, as
+/// `.parse().unwrap()` does.
+#[derive(Debug)]
+struct Parsed {
+    n: i64,
+}
+
+impl<'de> Deserialize<'de> for Parsed {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Raw {
+            n: String,
+        }
+        let raw = Raw::deserialize(d)?;
+        match raw.n.parse() {
+            Ok(n) => Ok(Self { n }),
+            Err(_) => panic!("careless parser: {:?} is not a number", raw.n),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RecordParsed;
+
+impl Handler<Parsed> for RecordParsed {
+    async fn handle(
+        &self,
+        event: &Event<Parsed>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+            .bind(event.payload.n)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Fails before the fix: the panic in `Deserialize` ran outside any `catch_unwind`, the
+/// partition's worker died ("task panicked"), nothing was quarantined and the record after it
+/// was never handled; every member that took the partition over died on the same offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_whose_deserialize_panics_is_quarantined_and_the_next_one_handled() -> Result<()>
+{
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), config(), RecordParsed)?;
+    let messages: Vec<OwnedMessage> = ["7", "x", "9"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| event_message("t", i as i64, EventId::new(), &format!(r#"{{"n":"{n}"}}"#)))
+        .collect();
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed,
+            Outcome::Quarantined("deserialize_panicked"),
+            Outcome::Processed
+        ]
+    );
+    assert_eq!(effects(&db.pool).await?, [7, 9]);
+    let rows = quarantined(&db.pool).await?;
+    assert_eq!(rows.len(), 1);
+    assert!(
+        rows[0]
+            .2
+            .contains(r#"careless parser: "x" is not a number"#),
+        "the panic's message is the error: {rows:?}"
+    );
+    Ok(())
+}
+
+/// Fails before the fix: the `COMMIT` of message 1's handler committed the dedup rows of the
+/// whole batch (inserted before any handler ran); when message 3's handler then failed, its
+/// replay found its id recorded (`DuplicateStored`): never handled, never quarantined, its
+/// offset stored. Now the handler's `COMMIT` fails (migration 0015's gate), the transaction
+/// rolls back whole, and message 1 fails alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_commits_fails_alone_and_loses_no_other_message() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let handler = Careless::new(&[(1, Care::Commit), (3, Care::Fail)]);
+    run_batch(
+        &db,
+        db.pool.clone(),
+        5,
+        handler,
+        &[(1, "handler_failed"), (3, "handler_failed")],
+    )
+    .await?;
+    let rows = quarantined(&db.pool).await?;
+    assert!(
+        rows[0]
+            .2
+            .contains("ended the consumer's transaction (COMMIT)"),
+        "the quarantine says what the handler did: {rows:?}"
+    );
+    let gate: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_dedup_gate")
+        .fetch_one(&db.pool)
+        .await?;
+    assert_eq!(gate, 0, "no gate row outlives its transaction");
+    Ok(())
+}
+
+/// Cuts the connections under every attempt of its message and returns the error its
+/// statement meets: a proxy's idle limit (PgBouncer's `idle_transaction_timeout`) below how
+/// long the handler holds the transaction.
+#[derive(Debug, Clone)]
+struct AlwaysCut {
+    proxy: CuttableProxy,
+}
+
+impl Handler<Step> for AlwaysCut {
+    async fn handle(
+        &self,
+        event: &Event<Step>,
+        conn: &mut PgConnection,
+    ) -> Result<(), HandlerError> {
+        self.proxy.cut().await;
+        sqlx::query("INSERT INTO effects (n) VALUES ($1)")
+            .bind(event.payload.n)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Fails before the fix: each cut counted as an outage (the database answered on another
+/// connection, and the handler had not held the transaction as long as the server's own
+/// limit), so the message was retried forever, uncharged, its partition stalled with no
+/// handler error counted. A few cuts in a row still cost nothing; past them each counts, and
+/// the message is quarantined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_under_every_try_is_charged_after_a_few() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let proxy = CuttableProxy::start().await?;
+    let options = PgConnectOptions::from_str(&outbox_tests::database_url())?
+        .host("127.0.0.1")
+        .port(proxy.port)
+        .options([("search_path", db.schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    let c = DedupConsumer::new(pool, config(), AlwaysCut { proxy })?;
+    let (_, messages) = batch(1);
+    let cancel = CancellationToken::new();
+    // The partition worker retries after an outage as this loop does; bounded here.
+    let mut outages = 0;
+    let outcomes = loop {
+        match c.process_batch(&messages, &cancel).await {
+            Ok(outcomes) => break outcomes,
+            Err(outbox_consumer::ConsumerError::Database(_)) if outages < 30 => outages += 1,
+            Err(error) => anyhow::bail!("after {outages} outages: {error}"),
+        }
+    };
+    assert_eq!(outcomes, [Outcome::Quarantined("handler_failed")]);
+    assert!(outages >= 5, "a few cuts cost nothing: {outages}");
+    assert_eq!(
+        c.stats().handler_errors,
+        u64::from(ATTEMPTS),
+        "{:?}",
+        c.stats()
+    );
+    let rows = quarantined(&db.pool).await?;
+    assert!(
+        rows[0].2.contains("cut under the message's transaction"),
+        "{rows:?}"
+    );
+    assert_eq!(effects(&db.pool).await?, Vec::<i64>::new());
     Ok(())
 }

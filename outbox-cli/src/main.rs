@@ -9,6 +9,7 @@
 //! outbox quarantine list relay|consumer [--json]
 //! outbox quarantine show|requeue|discard relay|consumer ID... [--reason TEXT] [--yes]
 //! outbox quarantine audit [--json]
+//! outbox parked list [--json] | show KEY | release KEY [--consumer NAME] | skip ID
 //! outbox relay --kafka-config kafka.properties [--brokers HOST:PORT] [-X key=value]...
 //! ```
 //! The database comes from `--database-url-file`, `--database-url` or `DATABASE_URL` (a
@@ -17,6 +18,7 @@
 
 mod confirm;
 mod kafka_config;
+mod parked;
 mod print;
 mod quarantine;
 mod relay;
@@ -92,6 +94,11 @@ enum Command {
     Quarantine {
         #[command(subcommand)]
         action: quarantine::Action,
+    },
+    /// Keys a `ParkKey` consumer parked: list them, show their records, release or skip.
+    Parked {
+        #[command(subcommand)]
+        action: parked::Action,
     },
     /// Run the relay until SIGINT or SIGTERM.
     ///
@@ -193,6 +200,7 @@ async fn main() -> Result<()> {
         // Migrate and Relay returned above and never reach this match.
         Command::Migrate | Command::Relay(_) => {}
         Command::Quarantine { action } => quarantine::run(&mut conn, &tables, action).await?,
+        Command::Parked { action } => parked::run(&mut conn, &tables, action).await?,
         Command::Status { json } => status::run(&mut conn, &tables, json).await?,
         Command::Prune {
             what,

@@ -349,6 +349,11 @@ async fn requeue_one(
     if let Some(payload) = &r.payload {
         record = record.payload(payload);
     }
+    // The copy keeps the original's time: handlers that read it (`Event::timestamp`) see when
+    // the event happened, not when it was requeued.
+    if let Some(at) = r.record_timestamp {
+        record = record.timestamp(at.timestamp_millis());
+    }
     let copy = producer
         .send(record, Duration::from_secs(30))
         .await

@@ -18,6 +18,11 @@ struct Status {
     oldest_pending_age_ms: Option<i64>,
     quarantined: i64,
     consumer_quarantined: i64,
+    /// Keys parked by `ParkKey` consumers, the records parked behind them, and the most
+    /// records one key holds (past the consumer's `max_parked_per_key`, it warns).
+    parked_keys: i64,
+    parked_records: i64,
+    largest_park: i64,
     topics: Vec<TopicLag>,
     destinations: Vec<Destination>,
     dedup: DedupSize,
@@ -110,6 +115,14 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
     .bind(cap)
     .fetch_one(&mut *conn)
     .await?;
+    let (keys, parked) = (q.suffixed("_parked_keys"), q.suffixed("_parked"));
+    let (parked_keys, parked_records, largest_park): (i64, i64, i64) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT (SELECT count(*) FROM (SELECT 1 FROM {keys} LIMIT $1) k),                     (SELECT count(*) FROM (SELECT 1 FROM {parked} LIMIT $1) p),                     coalesce((SELECT max(n) FROM (SELECT count(*) AS n FROM                         (SELECT consumer, topic, partition, message_key FROM {parked} LIMIT $1) c                         GROUP BY consumer, topic, partition, message_key) per_key), 0)"
+        )))
+        .bind(cap)
+        .fetch_one(&mut *conn)
+        .await?;
     let consumers: Vec<ConsumerRows> = sqlx::query_as(AssertSqlSafe(format!(
         "WITH RECURSIVE names(consumer) AS ( \
              (SELECT consumer FROM {d} ORDER BY consumer LIMIT 1) \
@@ -137,6 +150,9 @@ async fn read(conn: &mut PgConnection, tables: &TableNames) -> Result<Status> {
         oldest_pending_age_ms: outbox.oldest_pending_age_ms,
         quarantined: outbox.quarantined,
         consumer_quarantined,
+        parked_keys,
+        parked_records,
+        largest_park,
         topics,
         destinations,
         dedup: DedupSize {
@@ -189,6 +205,12 @@ fn print_text(s: &Status) {
     }
     println!("relay quarantined    {}", capped(s.quarantined));
     println!("consumer quarantined {}", capped(s.consumer_quarantined));
+    println!(
+        "parked keys          {} ({} records, at most {} under one key)",
+        capped(s.parked_keys),
+        capped(s.parked_records),
+        capped(s.largest_park)
+    );
     let any_capped = s.dedup.consumers.iter().any(|c| c.rows >= s.count_cap);
     println!(
         "dedup rows           {}{} ({} KiB)",

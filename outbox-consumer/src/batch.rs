@@ -42,17 +42,20 @@ use crate::dedup_transaction::{check_open, run_handler};
 use crate::failure::{
     AttemptError, handler_sql_error, is_connection_lost, is_inherited, is_outage, is_unavailable,
 };
+use crate::park::Aside;
 use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
 
 /// A message, decoded.
-enum Item<P> {
+pub(crate) enum Item<P> {
     Rejected(Rejected),
     Cached,
     /// A requeued copy for another consumer (`requeue.rs`).
     NotForUs,
     Event(Event<P>),
+    /// Behind its parked key (`park.rs`).
+    Parked,
 }
 
 /// A failed attempt: the quarantine reason, the error, whether retrying could help.
@@ -102,7 +105,13 @@ where
         owned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<Vec<Outcome>, ConsumerError> {
         let started = std::time::Instant::now();
-        let items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
+        let mut items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
+        if let Some(first) = messages.first()
+            && self.parking()
+        {
+            self.load_parks(first.topic(), first.partition()).await?;
+            self.mark_parked(messages, &mut items, 0);
+        }
         let n = items.len();
         let mut outcomes = Vec::with_capacity(n);
         let mut start = 0;
@@ -131,6 +140,9 @@ where
                     .await?;
                 start += 1;
                 let abandoned = outcome == Outcome::Abandoned;
+                if matches!(outcome, Outcome::Parked(_)) {
+                    self.mark_parked(messages, &mut items, start);
+                }
                 outcomes.push(outcome);
                 if abandoned {
                     break;
@@ -163,6 +175,9 @@ where
                         let outcome = self
                             .alone(&messages[start], &items[start], shutdown, turn, owned, None)
                             .await?;
+                        if matches!(outcome, Outcome::Parked(_)) {
+                            self.mark_parked(messages, &mut items, start + 1);
+                        }
                         let abandoned = outcome == Outcome::Abandoned;
                         outcomes.push(outcome);
                         if abandoned {
@@ -196,7 +211,32 @@ where
         outcomes
     }
 
-    fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
+    /// Marks the items from `from` on whose key is parked, or is parked by a record before
+    /// them that breaks the contract (it parks its key when set aside): they are parked
+    /// behind it, in order. Rolled back with their batch, they are marked the same again.
+    fn mark_parked(&self, messages: &[OwnedMessage], items: &mut [Item<P>], from: usize) {
+        let Some(first) = messages.first() else {
+            return;
+        };
+        let (topic, partition) = (first.topic(), first.partition());
+        let parks = &self.inner.parks;
+        let mut parking: HashSet<&[u8]> = HashSet::new();
+        for (message, item) in messages.iter().zip(items.iter_mut()).skip(from) {
+            let Some(key) = message.key() else {
+                continue;
+            };
+            if matches!(item, Item::Cached | Item::NotForUs) {
+                continue;
+            }
+            if parking.contains(key) || parks.contains(topic, partition, key) {
+                *item = Item::Parked;
+            } else if matches!(item, Item::Rejected(_)) {
+                parking.insert(key);
+            }
+        }
+    }
+
+    pub(crate) fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
         let inner = &*self.inner;
         // Read once: the requeue check and the decoder look at the same headers.
         let read = crate::headers::read(message);
@@ -215,7 +255,7 @@ where
 
     /// One message on its own transaction, retried under the failure policy while the
     /// partition is `owned`.
-    async fn alone(
+    pub(crate) async fn alone(
         &self,
         message: &OwnedMessage,
         item: &Item<P>,
@@ -234,7 +274,11 @@ where
                 reason,
                 error,
                 event_id,
-            }) => self.quarantine(message, *event_id, reason, error).await,
+            }) => self.set_aside(message, *event_id, reason, error).await,
+            Item::Parked => {
+                self.set_aside(message, None, crate::park::KEY_PARKED, "its key is parked")
+                    .await
+            }
             Item::Event(event) => {
                 self.handle_until_done(message, event, shutdown, turn, owned, failed)
                     .instrument(span::message_span(&self.inner.name, message))
@@ -262,7 +306,11 @@ where
                 ids.push(*event.id.as_uuid());
             }
         }
-        if ids.is_empty() && !items.iter().any(|i| matches!(i, Item::Rejected(_))) {
+        if ids.is_empty()
+            && !items
+                .iter()
+                .any(|i| matches!(i, Item::Rejected(_) | Item::Parked))
+        {
             let skipped = |i: &Item<P>| match i {
                 Item::NotForUs => Outcome::NotForUs,
                 _ => Outcome::DuplicateCached,
@@ -457,9 +505,8 @@ where
             let outcome = match item {
                 Item::Cached => Outcome::DuplicateCached,
                 Item::NotForUs => Outcome::NotForUs,
-                Item::Rejected(rejected) => {
-                    Outcome::Quarantined(self.record_rejected(tx, message, rejected).await?)
-                }
+                Item::Rejected(rejected) => self.record_rejected(tx, message, rejected).await?,
+                Item::Parked => self.record_parked(tx, message).await?,
                 Item::Event(event)
                     if new.contains(event.id.as_uuid()) && handled.insert(*event.id.as_uuid()) =>
                 {
@@ -503,22 +550,54 @@ where
         }
     }
 
+    /// Sets a record that breaks the contract aside on the batch's transaction: its outcome
+    /// once that commits.
     async fn record_rejected(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         message: &OwnedMessage,
         rejected: &Rejected,
-    ) -> Result<&'static str, BatchFailure> {
-        let inner = &*self.inner;
+    ) -> Result<Outcome, BatchFailure> {
         let entry = quarantine::Entry {
-            consumer: &inner.name,
+            consumer: &self.inner.name,
             event_id: rejected.event_id,
             reason: rejected.reason,
             error: &rejected.error,
         };
-        quarantine::store(tx, &inner.sql.quarantine, message, entry)
+        self.record_aside(tx, message, Aside::of(&self.inner, message, true), entry)
             .await
-            .map_err(BatchFailure::from_statement)
+    }
+
+    /// Parks a record behind its parked key on the batch's transaction.
+    async fn record_parked(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        message: &OwnedMessage,
+    ) -> Result<Outcome, BatchFailure> {
+        let entry = quarantine::Entry {
+            consumer: &self.inner.name,
+            event_id: None,
+            reason: crate::park::KEY_PARKED,
+            error: "its key is parked",
+        };
+        self.record_aside(tx, message, Aside::Park { head: false }, entry)
+            .await
+    }
+
+    async fn record_aside(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        message: &OwnedMessage,
+        aside: Aside,
+        entry: quarantine::Entry<'_>,
+    ) -> Result<Outcome, BatchFailure> {
+        let reason = quarantine::store(tx, aside.sql(&self.inner), message, entry)
+            .await
+            .map_err(BatchFailure::from_statement)?;
+        Ok(match aside {
+            Aside::Quarantine => Outcome::Quarantined(reason),
+            Aside::Park { .. } => Outcome::Parked(reason),
+        })
     }
 
     /// After the batch's COMMIT: remember its ids, count and log what it did.
@@ -537,13 +616,16 @@ where
                     bump(&inner.counters.duplicates_stored);
                     tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (dedup table)");
                 }
-                (Item::Rejected(rejected), _) => {
-                    bump(&inner.counters.quarantined);
-                    tracing::error!(consumer = %inner.name, topic = message.topic(),
-                        partition = message.partition(), offset = message.offset(),
-                        reason = rejected.reason, error = %outbox_core::escape(&rejected.error), "quarantined message");
+                (Item::Rejected(rejected), Outcome::Quarantined(reason)) => {
+                    self.set(Aside::Quarantine, message, reason, &rejected.error);
                 }
-                (Item::Cached | Item::NotForUs, _) => {}
+                (Item::Rejected(rejected), Outcome::Parked(reason)) => {
+                    self.set(Aside::Park { head: true }, message, reason, &rejected.error);
+                }
+                (Item::Parked, Outcome::Parked(reason)) => {
+                    self.set(Aside::Park { head: false }, message, reason, "");
+                }
+                (Item::Rejected(_) | Item::Parked | Item::Cached | Item::NotForUs, _) => {}
             }
         }
     }

@@ -16,6 +16,16 @@ pub enum HandlerFailurePolicy {
     /// Retry forever (with capped backoff); the partition waits. For handlers whose effects
     /// must never be skipped or reordered, at the price of a stall an operator must clear.
     Block,
+    /// After `max_attempts` (or at once for a record that breaks the contract or that the
+    /// handler rejects), park the record's Kafka key: the record and every later record of
+    /// the same key on that partition are stored, in offset order, in the park table
+    /// (`<quarantine>_parked`, migration 0016), while the partition's other keys flow on and
+    /// its offset advances. Order per key holds, and nothing waits in memory: a restart or a
+    /// rebalance finds the key parked. `outbox parked release` has the partition's consumer
+    /// replay the key's records through the handler, in order (each once), after which the key
+    /// flows again; `outbox parked skip` drops a record, audited, and releases the rest. A
+    /// record without a key has no order to keep and is quarantined as under `Quarantine`.
+    ParkKey,
 }
 
 /// Settings of a [`crate::DedupConsumer`].
@@ -64,6 +74,10 @@ pub struct ConsumerConfig {
     /// (`queued.max.messages.kbytes`) no longer multiplies with the partition count; what a
     /// fetch response brings in at once (`fetch.max.bytes`) comes on top.
     pub prefetch_budget_bytes: usize,
+    /// Under [`HandlerFailurePolicy::ParkKey`]: past this many records parked under one key,
+    /// its later records are still parked (never dropped), and the consumer says so: a
+    /// warning, `outbox_consumer_parked_over_limit_total`, and `outbox status`.
+    pub max_parked_per_key: u64,
 }
 
 impl ConsumerConfig {
@@ -120,6 +134,11 @@ impl ConsumerConfig {
     /// Sets [`Self::prefetch_budget_bytes`].
     pub fn prefetch_budget_bytes(mut self, bytes: usize) -> Self {
         self.prefetch_budget_bytes = bytes;
+        self
+    }
+    /// Sets [`Self::max_parked_per_key`].
+    pub fn max_parked_per_key(mut self, n: u64) -> Self {
+        self.max_parked_per_key = n;
         self
     }
     /// Accepts only these event types.
@@ -179,6 +198,7 @@ impl Default for ConsumerConfig {
             event_types: None,
             shutdown_timeout: Duration::from_secs(10),
             prefetch_budget_bytes: 64 * 1024 * 1024,
+            max_parked_per_key: 10_000,
         }
     }
 }

@@ -42,6 +42,11 @@ pub enum Outcome {
     /// `quarantine_refused`: the database refused the full quarantine row; the message's
     /// bytes are stored alone, the original reason in the row's `error`.
     Quarantined(&'static str),
+    /// Under [`HandlerFailurePolicy::ParkKey`](crate::HandlerFailurePolicy::ParkKey): stored
+    /// in the park table behind its key, with this reason: one of [`Self::Quarantined`]'s,
+    /// for the record that parked its key, or `key_parked` for a later record of a key
+    /// parked already. Its offset is stored; the record is handled when the key is released.
+    Parked(&'static str),
     /// Shutdown came while a blocked handler was still retrying; the offset is not stored.
     Abandoned,
     /// Not handled: its partition was revoked from this member after it was fetched (the
@@ -65,6 +70,10 @@ pub struct ConsumerStats {
     pub duplicates_stored: u64,
     /// Messages quarantined.
     pub quarantined: u64,
+    /// Messages parked behind their key ([`Outcome::Parked`]).
+    pub parked: u64,
+    /// Parked messages replayed after their key's release, whatever came of each.
+    pub replayed: u64,
     /// Failed attempts: a handler error, or its transaction rejected by the database (each
     /// attempt; an unreachable database is not counted).
     pub handler_errors: u64,
@@ -88,6 +97,8 @@ pub(crate) struct Counters {
     pub(crate) duplicates_cached: AtomicU64,
     pub(crate) duplicates_stored: AtomicU64,
     pub(crate) quarantined: AtomicU64,
+    pub(crate) parked: AtomicU64,
+    pub(crate) replayed: AtomicU64,
     pub(crate) handler_errors: AtomicU64,
     pub(crate) transactions: AtomicU64,
     pub(crate) revoked_skipped: AtomicU64,
@@ -114,6 +125,9 @@ pub(crate) fn record_metric(consumer: &str, outcome: &Outcome) {
         }
         Outcome::Quarantined(reason) => {
             metrics::counter!("outbox_consumer_quarantined_total", "consumer" => consumer, "reason" => *reason).increment(1);
+        }
+        Outcome::Parked(reason) => {
+            metrics::counter!("outbox_consumer_parked_total", "consumer" => consumer, "reason" => *reason).increment(1);
         }
         Outcome::NotForUs => {
             metrics::counter!("outbox_consumer_not_for_us_total", "consumer" => consumer)
@@ -169,6 +183,8 @@ pub(crate) struct Inner<P, H> {
     /// Connections cut from outside under each message's transaction, in a row
     /// (`dedup_transaction::Cuts`).
     pub(crate) cuts: crate::dedup_transaction::Cuts,
+    /// The keys parked on each partition this member handled (`park.rs`).
+    pub(crate) parks: crate::park::Parks,
     _payload: std::marker::PhantomData<fn() -> P>,
     #[cfg(feature = "fault-injection")]
     pub(crate) crash_after_commit: std::sync::atomic::AtomicBool,
@@ -314,6 +330,7 @@ where
                 expect_duplicates: std::sync::atomic::AtomicBool::new(false),
                 prefetch,
                 cuts: crate::dedup_transaction::Cuts::default(),
+                parks: crate::park::Parks::default(),
                 _payload: std::marker::PhantomData,
                 #[cfg(feature = "fault-injection")]
                 crash_after_commit: std::sync::atomic::AtomicBool::new(false),
@@ -337,6 +354,8 @@ where
             duplicates_cached: get(&c.duplicates_cached),
             duplicates_stored: get(&c.duplicates_stored),
             quarantined: get(&c.quarantined),
+            parked: get(&c.parked),
+            replayed: get(&c.replayed),
             handler_errors: get(&c.handler_errors),
             transactions: get(&c.transactions),
             revoked_skipped: get(&c.revoked_skipped),
@@ -393,9 +412,10 @@ where
             .await
     }
 
-    /// Stores `message` in the quarantine table (see [`quarantine::store`]). `Err` only when
-    /// the database is unavailable.
-    pub(crate) async fn quarantine(
+    /// Sets `message` aside on its own transaction: parks its key under `ParkKey` when it has
+    /// one, quarantines it otherwise (see [`quarantine::store`]). `Err` only when the database
+    /// is unavailable.
+    pub(crate) async fn set_aside(
         &self,
         message: &OwnedMessage,
         event_id: Option<Uuid>,
@@ -404,16 +424,54 @@ where
     ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
         let mut conn = inner.pool.acquire().await?;
+        let aside = crate::park::Aside::of(inner, message, true);
         let entry = quarantine::Entry {
             consumer: &inner.name,
             event_id,
             reason,
             error,
         };
-        let reason = quarantine::store(&mut conn, &inner.sql.quarantine, message, entry).await?;
-        bump(&inner.counters.quarantined);
-        tracing::error!(consumer = %inner.name, topic = message.topic(), partition = message.partition(),
-            offset = message.offset(), reason, error = %outbox_core::escape(error), "quarantined message");
-        Ok(Outcome::Quarantined(reason))
+        let reason = quarantine::store(&mut conn, aside.sql(inner), message, entry).await?;
+        Ok(self.set(aside, message, reason, error))
+    }
+
+    /// Counts and logs `message`, set `aside` (committed) with `reason`; its outcome.
+    pub(crate) fn set(
+        &self,
+        aside: crate::park::Aside,
+        message: &OwnedMessage,
+        reason: &'static str,
+        error: &str,
+    ) -> Outcome {
+        let inner = &*self.inner;
+        let (topic, partition, offset) = (message.topic(), message.partition(), message.offset());
+        match aside {
+            crate::park::Aside::Quarantine => {
+                bump(&inner.counters.quarantined);
+                tracing::error!(consumer = %inner.name, topic, partition, offset, reason,
+                    error = %outbox_core::escape(error), "quarantined message");
+                Outcome::Quarantined(reason)
+            }
+            crate::park::Aside::Park { head } => {
+                bump(&inner.counters.parked);
+                let key = message.key().unwrap_or_default();
+                let parked = inner.parks.add(topic, partition, key);
+                if head {
+                    tracing::error!(consumer = %inner.name, topic, partition, offset, reason,
+                        error = %outbox_core::escape(error), "parked the message's key");
+                } else {
+                    tracing::debug!(consumer = %inner.name, topic, partition, offset, "parked behind its key");
+                }
+                if parked == inner.config.max_parked_per_key.saturating_add(1) {
+                    metrics::counter!("outbox_consumer_parked_over_limit_total", "consumer" => inner.name.clone())
+                        .increment(1);
+                    tracing::warn!(consumer = %inner.name, topic, partition,
+                        key = %outbox_core::escape(&String::from_utf8_lossy(key)),
+                        limit = inner.config.max_parked_per_key,
+                        "a parked key holds more records than max_parked_per_key; they are all kept: release or skip its head");
+                }
+                Outcome::Parked(reason)
+            }
+        }
     }
 }

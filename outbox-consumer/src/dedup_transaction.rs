@@ -30,7 +30,7 @@ where
     H: Handler<P>,
 {
     /// Attempts `event` until it commits, is found to be a duplicate, or the failure policy
-    /// gives up on it (quarantine). `Err` only when the database cannot be reached.
+    /// gives up on it (quarantine, or its key parked). `Err` only when the database cannot be reached.
     /// `failed` is an attempt that already failed (in a batch), counted as the first.
     /// Once `owned` says the partition was revoked, it stops ([`Outcome::Revoked`]): the new
     /// owner handles the message, and a quarantine row here could contradict what it did.
@@ -69,15 +69,15 @@ where
             }
             if !retry {
                 return self
-                    .quarantine(message, Some(*event.id.as_uuid()), reason, &error)
+                    .set_aside(message, Some(*event.id.as_uuid()), reason, &error)
                     .await;
             }
-            if config.on_handler_failure == HandlerFailurePolicy::Quarantine
+            if config.on_handler_failure != HandlerFailurePolicy::Block
                 && attempt >= config.max_attempts
             {
                 let error = format!("after {attempt} attempts: {error}");
                 return self
-                    .quarantine(message, Some(*event.id.as_uuid()), reason, &error)
+                    .set_aside(message, Some(*event.id.as_uuid()), reason, &error)
                     .await;
             }
             let delay = outbox_core::backoff(config.backoff_base, config.backoff_max, attempt - 1);

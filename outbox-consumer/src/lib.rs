@@ -80,6 +80,8 @@ mod failure;
 mod handler;
 mod header_list;
 mod headers;
+mod park;
+pub mod parked;
 mod partition_stream;
 mod permit;
 mod prefetch;

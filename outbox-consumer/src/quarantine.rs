@@ -65,6 +65,9 @@ pub struct QuarantinedMessage {
     /// before migration 0006.
     #[serde(skip)]
     pub header_bytes: Option<Vec<u8>>,
+    /// The record's timestamp, as Kafka gave it; `None` in rows written before migration 0016
+    /// or when the record had none.
+    pub record_timestamp: Option<DateTime<Utc>>,
 }
 
 impl QuarantinedMessage {
@@ -212,9 +215,18 @@ async fn insert_row(
         .bind(header_list::encode(&read))
         .bind(entry.reason)
         .bind(entry.error)
+        .bind(record_timestamp(message))
         .execute(conn)
         .await?;
     Ok(())
+}
+
+/// `message`'s timestamp, whichever kind it is.
+pub(crate) fn record_timestamp(message: &OwnedMessage) -> Option<DateTime<Utc>> {
+    message
+        .timestamp()
+        .to_millis()
+        .and_then(DateTime::from_timestamp_millis)
 }
 
 fn headers_json(read: &[Read<'_>]) -> Map<String, Value> {
@@ -275,9 +287,9 @@ fn header_bytes(value: &Value) -> Option<Option<Vec<u8>>> {
     }
 }
 
-const COLUMNS: QuarantineColumns = QuarantineColumns {
+pub(crate) const COLUMNS: QuarantineColumns = QuarantineColumns {
     all: "id, consumer, topic, partition, \"offset\", event_id, reason, error, quarantined_at, \
-          message_key, payload, headers, header_bytes",
+          message_key, payload, headers, header_bytes, record_timestamp",
     key: "id",
     held: "TRUE",
     event_id: "event_id",
@@ -391,6 +403,7 @@ mod tests {
             payload: None,
             headers: sqlx::types::Json(headers),
             header_bytes,
+            record_timestamp: None,
         }
     }
 

@@ -226,12 +226,33 @@ where
         let context = consumer.context();
         // A message taken at another count than the batch before it: it starts the next one.
         let mut carried: Option<Fetched> = None;
+        // The count at which this partition's parked keys were loaded (`park.rs`).
+        let mut parks_of: Option<u64> = None;
+        let mut release_poll = tokio::time::interval(crate::park::RELEASE_POLL);
+        release_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        if self.parking() {
+            // Keys parked before this assignment are released even if no record comes.
+            let epoch = context.epoch(topic, partition);
+            self.inner.parks.forget(topic, partition);
+            match self.load_parks(topic, partition).await {
+                Ok(()) => parks_of = Some(epoch),
+                Err(error) => tracing::warn!(error = %outbox_core::escape(&error.to_string()),
+                    topic, partition, "cannot load the parked keys; the first batch does"),
+            }
+        }
         loop {
+            let parked = parks_of.is_some() && self.inner.parks.any(topic, partition);
             let first = match carried.take() {
                 Some(taken) => taken,
                 None => tokio::select! {
                     biased;
                     () = stop.cancelled() => return Ok(()),
+                    _ = release_poll.tick(), if parked => {
+                        if !self.replay_released_now(context, (topic, partition), permits, stop).await? {
+                            return Ok(());
+                        }
+                        continue;
+                    }
                     next = fetched.recv() => match next {
                         Some(taken) => taken,
                         None => return Ok(()),
@@ -239,6 +260,11 @@ where
                 },
             };
             let epoch = first.epoch;
+            if self.parking() && parks_of != Some(epoch) {
+                // Assigned again: another member may have parked keys meanwhile.
+                self.inner.parks.forget(topic, partition);
+                parks_of = Some(epoch);
+            }
             // What is queued now, never waiting for more: at low load a batch is one message.
             let mut held = Held {
                 share,
@@ -311,6 +337,32 @@ where
             }
             if outcomes.contains(&Outcome::Abandoned) {
                 return Ok(());
+            }
+        }
+    }
+
+    /// Replays the keys released on the partition (`park.rs`) while it stays owned, on a
+    /// turn of its own; a database that cannot be reached is tried again at the next poll.
+    /// `Ok(false)`: shutdown came meanwhile.
+    async fn replay_released_now<C: ClientContext + 'static>(
+        &self,
+        context: &DedupContext<C>,
+        (topic, partition): (&str, i32),
+        permits: &Semaphore,
+        stop: &CancellationToken,
+    ) -> Result<bool, ConsumerError> {
+        let epoch = context.epoch(topic, partition);
+        let owned = || context.epoch(topic, partition) == epoch;
+        let mut turn = Turn::take(permits).await?;
+        match self
+            .replay_released((topic, partition), stop, &mut turn, &owned)
+            .await
+        {
+            Ok(going) => Ok(going),
+            Err(error) => {
+                tracing::warn!(error = %outbox_core::escape(&error.to_string()), topic, partition,
+                    "cannot replay the released keys; trying again");
+                Ok(true)
             }
         }
     }

@@ -37,13 +37,52 @@ pub(crate) struct ConsumerSql {
     pub(crate) allow_commit: SqlStr,
     /// The ids of `$2` recorded for consumer `$1` in any slice.
     pub(crate) find_recorded: SqlStr,
+    /// Stores a record in the quarantine table (`quarantine::store` binds `$1`..`$12`).
     pub(crate) quarantine: SqlStr,
+    /// Under `ParkKey`: stores the record that parks its key (`$6`), as [`Self::quarantine`]
+    /// binds it, and parks the key, clearing a release asked for it (the release's replay
+    /// failed on this record again). The record redelivered, or failing again in a replay,
+    /// keeps one row, with the latest reason.
+    pub(crate) park_head: SqlStr,
+    /// Under `ParkKey`: stores a record behind its parked key, as [`Self::quarantine`].
+    pub(crate) park_behind: SqlStr,
+    /// The parked keys of consumer `$1`, topic `$2`, partition `$3`, with their records' count.
+    pub(crate) parked_keys: SqlStr,
+    /// The keys of `$1`, `$2`, `$3` whose release an operator asked for.
+    pub(crate) released_keys: SqlStr,
+    /// The first record parked under `$1`, `$2`, `$3`, key `$4`.
+    pub(crate) parked_head: SqlStr,
+    /// Deletes parked record `$1` (replayed).
+    pub(crate) unpark_record: SqlStr,
+    /// Unparks key `$4` of `$1`, `$2`, `$3` when it has no record parked; true if it did.
+    pub(crate) unpark_key: SqlStr,
 }
 
 impl ConsumerSql {
     pub(crate) fn new(tables: &TableNames) -> Self {
         let dedup = &tables.consumer_dedup;
         let quarantine = &tables.consumer_quarantine;
+        // Migration 0016's tables, named after the quarantine as the gate is after the dedup
+        // table.
+        let parked = quarantine.suffixed(crate::parked::PARKED).to_string();
+        let keys = quarantine.suffixed(crate::parked::PARKED_KEYS).to_string();
+        let store = |table: &str, on_conflict: &str| {
+            format!(
+                "INSERT INTO {table} \
+                    (consumer, topic, partition, \"offset\", event_id, message_key, payload, headers, \
+                     header_bytes, reason, error, record_timestamp) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                 ON CONFLICT (consumer, topic, partition, \"offset\", record_digest) {on_conflict}"
+            )
+        };
+        let park_key = |on_conflict: &str| {
+            format!(
+                "parked AS (INSERT INTO {keys} (consumer, topic, partition, message_key) \
+                    VALUES ($1, $2, $3, $6) \
+                    ON CONFLICT (consumer, topic, partition, message_key) {on_conflict})"
+            )
+        };
+        let position = "consumer = $1 AND topic = $2 AND partition = $3";
         // Migration 0015's gate: a row per transaction that records ids, whose deferred check
         // fails any COMMIT but the consumer's own (`holds_dedup_row` allows it).
         // An `Ident` is lowercase letters, digits and '_': the suffixed name stays one.
@@ -103,12 +142,47 @@ impl ConsumerSql {
                 "SELECT DISTINCT event_id FROM {dedup} WHERE consumer = $1 AND event_id = ANY($2)"
             ))
             .into_sql_str(),
-            quarantine: AssertSqlSafe(format!(
-                "INSERT INTO {quarantine} \
-                    (consumer, topic, partition, \"offset\", event_id, message_key, payload, headers, \
-                     header_bytes, reason, error) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
-                 ON CONFLICT (consumer, topic, partition, \"offset\", record_digest) DO NOTHING"
+            quarantine: AssertSqlSafe(store(quarantine.to_string().as_str(), "DO NOTHING"))
+                .into_sql_str(),
+            park_head: AssertSqlSafe(format!(
+                "WITH {} {}",
+                park_key("DO UPDATE SET release_requested_at = NULL"),
+                store(
+                    &parked,
+                    "DO UPDATE SET reason = EXCLUDED.reason, error = EXCLUDED.error, \
+                     quarantined_at = now()"
+                )
+            ))
+            .into_sql_str(),
+            park_behind: AssertSqlSafe(format!(
+                "WITH {} {}",
+                park_key("DO NOTHING"),
+                store(&parked, "DO NOTHING")
+            ))
+            .into_sql_str(),
+            parked_keys: AssertSqlSafe(format!(
+                "SELECT k.message_key, (SELECT count(*) FROM {parked} p WHERE p.consumer = $1 \
+                    AND p.topic = $2 AND p.partition = $3 AND p.message_key = k.message_key) \
+                 FROM {keys} k WHERE {position}"
+            ))
+            .into_sql_str(),
+            released_keys: AssertSqlSafe(format!(
+                "SELECT message_key FROM {keys} WHERE {position} \
+                 AND release_requested_at IS NOT NULL"
+            ))
+            .into_sql_str(),
+            parked_head: AssertSqlSafe(format!(
+                "SELECT {} FROM {parked} WHERE {position} AND message_key = $4 \
+                 ORDER BY \"offset\", id LIMIT 1",
+                crate::quarantine::COLUMNS.all
+            ))
+            .into_sql_str(),
+            unpark_record: AssertSqlSafe(format!("DELETE FROM {parked} WHERE id = $1"))
+                .into_sql_str(),
+            unpark_key: AssertSqlSafe(format!(
+                "DELETE FROM {keys} k WHERE {position} AND message_key = $4 AND NOT EXISTS \
+                    (SELECT FROM {parked} p WHERE p.consumer = $1 AND p.topic = $2 \
+                     AND p.partition = $3 AND p.message_key = $4)"
             ))
             .into_sql_str(),
         }

@@ -52,9 +52,14 @@ GRANT SELECT, INSERT, DELETE ON outbox_consumer_dedup TO outbox_dedup_consumer;
 GRANT SELECT, INSERT, DELETE ON outbox_consumer_dedup_gate TO outbox_dedup_consumer;
 GRANT INSERT, SELECT (consumer, topic, partition, "offset", record_digest)
     ON outbox_consumer_quarantine TO outbox_dedup_consumer;
+-- Under `ParkKey` (migration 0016): parks records and keys, reads them back to replay a
+-- released key, and deletes what it replayed.
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_consumer_quarantine_parked,
+    outbox_consumer_quarantine_parked_keys TO outbox_dedup_consumer;
 
 -- `outbox status`: reads only.
-GRANT SELECT ON outbox_events, outbox_consumer_dedup, outbox_consumer_quarantine
+GRANT SELECT ON outbox_events, outbox_consumer_dedup, outbox_consumer_quarantine,
+    outbox_consumer_quarantine_parked, outbox_consumer_quarantine_parked_keys
     TO outbox_status_reader;
 
 -- Debezium's connector (instead of the relay): a role with the REPLICATION and LOGIN
@@ -74,3 +79,10 @@ GRANT SELECT ON outbox_quarantine_tables TO outbox_quarantine_operator;
 GRANT SELECT, INSERT ON outbox_quarantine_audit TO outbox_quarantine_operator;
 GRANT SELECT, UPDATE, DELETE ON outbox_events, outbox_consumer_quarantine
     TO outbox_quarantine_operator;
+-- `outbox parked list|show|release|skip`: reads parked keys and records, asks for a release
+-- (UPDATE of one column), drops a parked record (audited, as a discard).
+GRANT SELECT ON outbox_consumer_quarantine_parked, outbox_consumer_quarantine_parked_keys
+    TO outbox_quarantine_operator;
+GRANT UPDATE (release_requested_at) ON outbox_consumer_quarantine_parked_keys
+    TO outbox_quarantine_operator;
+GRANT DELETE ON outbox_consumer_quarantine_parked TO outbox_quarantine_operator;

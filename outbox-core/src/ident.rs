@@ -43,6 +43,16 @@ impl Ident {
         Self(name.to_owned())
     }
 
+    /// The name of a table a migration derives from this one (`outbox_consumer_quarantine` →
+    /// `outbox_consumer_quarantine_parked`); `suffix` is lowercase letters and `_`, and the
+    /// name stays within Postgres's 63 bytes whatever this one's length.
+    #[must_use]
+    pub fn suffixed(&self, suffix: &'static str) -> Self {
+        debug_assert!(suffix.chars().all(|c| c.is_ascii_lowercase() || c == '_'));
+        debug_assert!(self.0.len() + suffix.len() <= 63);
+        Self(format!("{}{suffix}", self.0))
+    }
+
     /// The bare name.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -428,7 +428,8 @@ async fn seen(pool: &PgPool, consumer: &str, topic: &str) -> Result<Seen> {
     .await?;
     let rows: Vec<QuarantinedMessage> = sqlx::query_as(
         "SELECT id, consumer, topic, partition, \"offset\", event_id, reason, error, \
-         quarantined_at, message_key, payload, headers, header_bytes FROM outbox_consumer_quarantine \
+         quarantined_at, message_key, payload, headers, header_bytes, record_timestamp \
+         FROM outbox_consumer_quarantine \
          WHERE consumer = $1 AND topic = $2",
     )
     .bind(consumer)

@@ -1,0 +1,272 @@
+//! [`HandlerFailurePolicy::ParkKey`]: a record given up on parks its key, and the key's later
+//! records on that partition are parked behind it, in offset order, in the park table
+//! (migration 0016), while the partition's other keys flow on and its offset advances.
+//!
+//! Each partition's parked keys are loaded once per assignment (a key parked by the member
+//! that owned the partition before is parked here too) and kept in memory: with nothing
+//! parked, a batch costs one map lookup more, no statement. The partition's worker alone
+//! parks and unparks its keys, so the set in memory and the table agree without locks:
+//! records of a parked key are parked in the batch's transaction (or their own), and the
+//! key is added to the set once that commits.
+//!
+//! An operator releases a key in the table (`outbox parked release`); the worker of its
+//! partition looks for releases every [`RELEASE_POLL`] while it has keys parked, and replays
+//! the key's records through the handler, head first, each on the same path as a fetched
+//! message (dedup row and handler in one transaction, under the failure policy). A record
+//! handled (or found handled already: a crash between its commit and its row's delete) is
+//! deleted from the park; when none is left, the key is unparked and its next records flow.
+//! A record that fails again parks the key again (the release is cleared), with what failed.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use rdkafka::Message;
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+use serde::de::DeserializeOwned;
+use sqlx::SqlStr;
+use tokio_util::sync::CancellationToken;
+
+use crate::consumer::{Inner, bump};
+use crate::headers::ReceivedHeader;
+use crate::permit::Turn;
+use crate::quarantine::QuarantinedMessage;
+use crate::{ConsumerError, DedupConsumer, Handler, HandlerFailurePolicy, Outcome};
+
+/// How often a partition's worker with keys parked looks for keys released.
+pub(crate) const RELEASE_POLL: Duration = Duration::from_secs(1);
+
+/// Reason of a record parked behind its key.
+pub(crate) const KEY_PARKED: &str = "key_parked";
+
+/// Where a record set aside goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Aside {
+    Quarantine,
+    /// Behind its key; `head`: it parks the key itself (it was given up on), rather than
+    /// being behind a key parked already.
+    Park {
+        head: bool,
+    },
+}
+
+impl Aside {
+    /// Where `message` goes: its key's park under `ParkKey` when it has a key.
+    pub(crate) fn of<P, H>(inner: &Inner<P, H>, message: &OwnedMessage, head: bool) -> Self {
+        if inner.config.on_handler_failure == HandlerFailurePolicy::ParkKey
+            && message.key().is_some()
+        {
+            Self::Park { head }
+        } else {
+            Self::Quarantine
+        }
+    }
+
+    /// The statement that stores it (`quarantine::store` binds it).
+    pub(crate) fn sql<P, H>(self, inner: &Inner<P, H>) -> &SqlStr {
+        match self {
+            Self::Quarantine => &inner.sql.quarantine,
+            Self::Park { head: true } => &inner.sql.park_head,
+            Self::Park { head: false } => &inner.sql.park_behind,
+        }
+    }
+}
+
+/// Parked keys per partition, with how many records each holds; a partition is present once
+/// its keys were loaded.
+#[derive(Debug, Default)]
+pub(crate) struct Parks(Mutex<HashMap<(String, i32), Keys>>);
+
+/// A partition's parked keys, with how many records each holds.
+type Keys = HashMap<Vec<u8>, u64>;
+
+impl Parks {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, i32), Keys>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn loaded(&self, topic: &str, partition: i32) -> bool {
+        self.lock().contains_key(&(topic.to_owned(), partition))
+    }
+
+    /// Whether `key` is parked on the partition.
+    pub(crate) fn contains(&self, topic: &str, partition: i32, key: &[u8]) -> bool {
+        self.lock()
+            .get(&(topic.to_owned(), partition))
+            .is_some_and(|keys| keys.contains_key(key))
+    }
+
+    /// Whether any key is parked on the partition.
+    pub(crate) fn any(&self, topic: &str, partition: i32) -> bool {
+        self.lock()
+            .get(&(topic.to_owned(), partition))
+            .is_some_and(|keys| !keys.is_empty())
+    }
+
+    /// Counts a record parked under `key` (committed); how many it holds now.
+    pub(crate) fn add(&self, topic: &str, partition: i32, key: &[u8]) -> u64 {
+        let mut parks = self.lock();
+        let keys = parks.entry((topic.to_owned(), partition)).or_default();
+        let n = keys.entry(key.to_vec()).or_default();
+        *n = n.saturating_add(1);
+        *n
+    }
+
+    fn remove(&self, topic: &str, partition: i32, key: &[u8]) {
+        if let Some(keys) = self.lock().get_mut(&(topic.to_owned(), partition)) {
+            keys.remove(key);
+        }
+    }
+
+    /// Forgets the partition's keys: the next batch loads them again (after a rebalance,
+    /// another member may have parked some).
+    pub(crate) fn forget(&self, topic: &str, partition: i32) {
+        self.lock().remove(&(topic.to_owned(), partition));
+    }
+}
+
+impl<P, H> DedupConsumer<P, H>
+where
+    P: DeserializeOwned + Send + Sync + 'static,
+    H: Handler<P>,
+{
+    pub(crate) fn parking(&self) -> bool {
+        self.inner.config.on_handler_failure == HandlerFailurePolicy::ParkKey
+    }
+
+    /// Loads the keys parked on `topic`/`partition` unless they are known.
+    pub(crate) async fn load_parks(
+        &self,
+        topic: &str,
+        partition: i32,
+    ) -> Result<(), ConsumerError> {
+        let inner = &*self.inner;
+        if !self.parking() || inner.parks.loaded(topic, partition) {
+            return Ok(());
+        }
+        let rows: Vec<(Vec<u8>, i64)> = sqlx::query_as(inner.sql.parked_keys.clone())
+            .bind(&inner.name)
+            .bind(topic)
+            .bind(partition)
+            .fetch_all(&inner.pool)
+            .await?;
+        let keys = rows
+            .into_iter()
+            .map(|(key, n)| (key, u64::try_from(n).unwrap_or_default()))
+            .collect();
+        inner
+            .parks
+            .lock()
+            .insert((topic.to_owned(), partition), keys);
+        Ok(())
+    }
+
+    /// Replays the records of the keys released on `topic`/`partition` (see the module docs)
+    /// while the partition is `owned`. `Ok(false)`: shutdown came during a retry's backoff.
+    pub(crate) async fn replay_released(
+        &self,
+        (topic, partition): (&str, i32),
+        shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
+        owned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<bool, ConsumerError> {
+        let inner = &*self.inner;
+        let released: Vec<Vec<u8>> = sqlx::query_scalar(inner.sql.released_keys.clone())
+            .bind(&inner.name)
+            .bind(topic)
+            .bind(partition)
+            .fetch_all(&inner.pool)
+            .await?;
+        for key in released {
+            tracing::info!(consumer = %inner.name, topic, partition,
+                key = %outbox_core::escape(&String::from_utf8_lossy(&key)), "replaying a released key");
+            loop {
+                if !owned() {
+                    return Ok(true);
+                }
+                let head: Option<QuarantinedMessage> =
+                    sqlx::query_as(inner.sql.parked_head.clone())
+                        .bind(&inner.name)
+                        .bind(topic)
+                        .bind(partition)
+                        .bind(&key)
+                        .fetch_optional(&inner.pool)
+                        .await?;
+                let Some(head) = head else {
+                    let unparked = sqlx::query(inner.sql.unpark_key.clone())
+                        .bind(&inner.name)
+                        .bind(topic)
+                        .bind(partition)
+                        .bind(&key)
+                        .execute(&inner.pool)
+                        .await?
+                        .rows_affected();
+                    if unparked > 0 {
+                        inner.parks.remove(topic, partition, &key);
+                        tracing::info!(consumer = %inner.name, topic, partition,
+                            key = %outbox_core::escape(&String::from_utf8_lossy(&key)), "key released: its records were handled");
+                    }
+                    break;
+                };
+                let message = as_received(&head);
+                let item = self.decode_item(&message);
+                bump(&inner.counters.replayed);
+                match self
+                    .alone(&message, &item, shutdown, turn, owned, None)
+                    .await?
+                {
+                    // Parked again: the release is cleared, the key waits for the next.
+                    Outcome::Parked(_) => break,
+                    Outcome::Abandoned => return Ok(false),
+                    Outcome::Revoked => return Ok(true),
+                    outcome => {
+                        crate::consumer::record_metric(&inner.name, &outcome);
+                        sqlx::query(inner.sql.unpark_record.clone())
+                            .bind(head.id)
+                            .execute(&inner.pool)
+                            .await?;
+                    }
+                }
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// The record a parked row holds, as it was received. A header name that is not UTF-8 comes
+/// back with U+FFFD in place of its bad bytes: no such name is one the wire contract reads,
+/// so the record decodes as it did.
+fn as_received(row: &QuarantinedMessage) -> OwnedMessage {
+    let headers = row
+        .received_headers()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|header| match header {
+            ReceivedHeader::Whole { name, value } => Some((name, value)),
+            ReceivedHeader::Bytes { name, value } => {
+                Some((String::from_utf8_lossy(&name).into_owned(), value))
+            }
+            // Only in rows older than the park table.
+            _ => None,
+        })
+        .fold(OwnedHeaders::new(), |headers, (name, value)| {
+            headers.insert(Header {
+                key: name.as_str(),
+                value: value.as_deref(),
+            })
+        });
+    let timestamp = row.record_timestamp.map_or(Timestamp::NotAvailable, |at| {
+        Timestamp::CreateTime(at.timestamp_millis())
+    });
+    OwnedMessage::new(
+        row.payload.clone(),
+        row.message_key.clone(),
+        row.topic.clone(),
+        timestamp,
+        row.partition,
+        row.offset,
+        Some(headers),
+    )
+}

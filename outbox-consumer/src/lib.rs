@@ -17,7 +17,12 @@
 //!
 //! Messages that break the wire contract or the configured limits, and messages whose handler
 //! keeps failing (under the default [`HandlerFailurePolicy::Quarantine`]), are stored whole in
-//! a quarantine table with the reason, and the partition moves on.
+//! a quarantine table with the reason, and the partition moves on. Under
+//! [`HandlerFailurePolicy::ParkKey`] such a message parks its Kafka key instead: it and the
+//! key's later messages on the partition are stored in order in the park table, the other keys
+//! flow on, and a release ([`parked::release`], `outbox parked release`) has the consumer
+//! handle the key's messages in order, each once: order per key holds, and no key waits for
+//! another.
 //!
 //! Dedup rows live in day slices of the dedup table (range partitions on the day of a UUIDv7
 //! event id, [`dedup_slice`]; ids that carry no time share a timeless slice) until [`prune`]

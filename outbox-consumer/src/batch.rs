@@ -53,6 +53,8 @@ pub(crate) enum Item<P> {
     Cached,
     /// A requeued copy for another consumer (`requeue.rs`).
     NotForUs,
+    /// Says it is a requeued copy for another consumer: not yet checked (`requeue.rs`).
+    Copy(crate::requeue::Copy),
     Event(Event<P>),
     /// Behind its parked key (`park.rs`).
     Parked,
@@ -106,6 +108,7 @@ where
     ) -> Result<Vec<Outcome>, ConsumerError> {
         let started = std::time::Instant::now();
         let mut items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
+        self.check_copies(messages, &mut items).await?;
         if let Some(first) = messages.first()
             && self.parking()
         {
@@ -211,6 +214,53 @@ where
         outcomes
     }
 
+    /// Turns the copies for other consumers among `items` into [`Item::NotForUs`] when their
+    /// requeue is recorded, into a record to quarantine (`forged_requeue`) otherwise: one
+    /// statement when there are any.
+    pub(crate) async fn check_copies(
+        &self,
+        messages: &[OwnedMessage],
+        items: &mut [Item<P>],
+    ) -> Result<(), ConsumerError> {
+        let tokens: Vec<Uuid> = items
+            .iter()
+            .filter_map(|item| match item {
+                Item::Copy(copy) => copy.token,
+                _ => None,
+            })
+            .collect();
+        if !items.iter().any(|i| matches!(i, Item::Copy(_))) {
+            return Ok(());
+        }
+        let inner = &*self.inner;
+        let recorded: std::collections::HashMap<Uuid, String> = if tokens.is_empty() {
+            std::collections::HashMap::new()
+        } else {
+            sqlx::query_as(inner.sql.recorded_requeues.clone())
+                .bind(&tokens)
+                .fetch_all(&inner.pool)
+                .await?
+                .into_iter()
+                .collect()
+        };
+        for (message, item) in messages.iter().zip(items.iter_mut()) {
+            let Item::Copy(copy) = item else {
+                continue;
+            };
+            *item = if copy.is_recorded(&recorded) {
+                copy.skipped(&inner.name, message);
+                Item::NotForUs
+            } else {
+                Item::Rejected(Rejected {
+                    reason: "forged_requeue",
+                    error: copy.forged(),
+                    event_id: None,
+                })
+            };
+        }
+        Ok(())
+    }
+
     /// Marks the items from `from` on whose key is parked, or is parked by a record before
     /// them that breaks the contract (it parks its key when set aside): they are parked
     /// behind it, in order. Rolled back with their batch, they are marked the same again.
@@ -240,8 +290,8 @@ where
         let inner = &*self.inner;
         // Read once: the requeue check and the decoder look at the same headers.
         let read = crate::headers::read(message);
-        if crate::requeue::for_another(&inner.name, message, &read) {
-            return Item::NotForUs;
+        if let Some(copy) = crate::requeue::for_another(&inner.name, &read) {
+            return Item::Copy(copy);
         }
         match decode::decode(&inner.config, message, &read) {
             Err(rejected) => Item::Rejected(rejected),
@@ -270,6 +320,11 @@ where
         match item {
             Item::Cached => Ok(Outcome::DuplicateCached),
             Item::NotForUs => Ok(Outcome::NotForUs),
+            // Checked before (`check_copies`); were one not, it must not be skipped unchecked.
+            Item::Copy(copy) => {
+                self.set_aside(message, None, "forged_requeue", &copy.forged())
+                    .await
+            }
             Item::Rejected(Rejected {
                 reason,
                 error,
@@ -309,7 +364,7 @@ where
         if ids.is_empty()
             && !items
                 .iter()
-                .any(|i| matches!(i, Item::Rejected(_) | Item::Parked))
+                .any(|i| matches!(i, Item::Rejected(_) | Item::Parked | Item::Copy(_)))
         {
             let skipped = |i: &Item<P>| match i {
                 Item::NotForUs => Outcome::NotForUs,
@@ -506,6 +561,14 @@ where
                 Item::Cached => Outcome::DuplicateCached,
                 Item::NotForUs => Outcome::NotForUs,
                 Item::Rejected(rejected) => self.record_rejected(tx, message, rejected).await?,
+                Item::Copy(copy) => {
+                    let forged = Rejected {
+                        reason: "forged_requeue",
+                        error: copy.forged(),
+                        event_id: None,
+                    };
+                    self.record_rejected(tx, message, &forged).await?
+                }
                 Item::Parked => self.record_parked(tx, message).await?,
                 Item::Event(event)
                     if new.contains(event.id.as_uuid()) && handled.insert(*event.id.as_uuid()) =>
@@ -624,6 +687,15 @@ where
                 }
                 (Item::Parked, Outcome::Parked(reason)) => {
                     self.set(Aside::Park { head: false }, message, reason, "");
+                }
+                (Item::Copy(copy), outcome) => {
+                    let aside = match outcome {
+                        Outcome::Parked(_) => Aside::Park { head: true },
+                        _ => Aside::Quarantine,
+                    };
+                    if let Outcome::Parked(reason) | Outcome::Quarantined(reason) = outcome {
+                        self.set(aside, message, reason, &copy.forged());
+                    }
                 }
                 (Item::Rejected(_) | Item::Parked | Item::Cached | Item::NotForUs, _) => {}
             }

@@ -211,7 +211,10 @@ where
                     break;
                 };
                 let message = as_received(&head);
-                let item = self.decode_item(&message);
+                let mut item = [self.decode_item(&message)];
+                self.check_copies(std::slice::from_ref(&message), &mut item)
+                    .await?;
+                let [item] = item;
                 bump(&inner.counters.replayed);
                 match self
                     .alone(&message, &item, shutdown, turn, owned, None)

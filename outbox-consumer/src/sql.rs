@@ -7,6 +7,9 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 /// transaction may hold at most, whatever its batch size, so that a replay of old events by
 /// many partitions at once stays within Postgres's lock table (`max_locks_per_transaction`,
 /// 64 by default, per connection). Ids that share a lock only wait for each other.
+/// Suffix of the requeues' table (after the quarantine's; migration 0016).
+pub(crate) const REQUEUES: &str = "_requeues";
+
 pub(crate) const LATE_ID_LOCKS: u32 = 64;
 
 #[derive(Debug, Clone)]
@@ -52,6 +55,8 @@ pub(crate) struct ConsumerSql {
     pub(crate) released_keys: SqlStr,
     /// The first record parked under `$1`, `$2`, `$3`, key `$4`.
     pub(crate) parked_head: SqlStr,
+    /// The requeues of tokens `$1` recorded (`requeue.rs`): token, the consumer it is for.
+    pub(crate) recorded_requeues: SqlStr,
     /// Deletes parked record `$1` (replayed).
     pub(crate) unpark_record: SqlStr,
     /// Unparks key `$4` of `$1`, `$2`, `$3` when it has no record parked; true if it did.
@@ -175,6 +180,11 @@ impl ConsumerSql {
                 "SELECT {} FROM {parked} WHERE {position} AND message_key = $4 \
                  ORDER BY \"offset\", id LIMIT 1",
                 crate::quarantine::COLUMNS.all
+            ))
+            .into_sql_str(),
+            recorded_requeues: AssertSqlSafe(format!(
+                "SELECT token, for_consumer FROM {} WHERE token = ANY($1)",
+                quarantine.suffixed(REQUEUES)
             ))
             .into_sql_str(),
             unpark_record: AssertSqlSafe(format!("DELETE FROM {parked} WHERE id = $1"))

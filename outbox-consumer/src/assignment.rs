@@ -104,6 +104,14 @@ impl<C> DedupContext<C> {
         self.owned.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
+    /// Whether `topic`/`partition` is assigned to this member now.
+    pub(crate) fn owns(&self, topic: &str, partition: i32) -> bool {
+        self.owned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&(topic.to_owned(), partition))
+    }
+
     /// How many times `topic`/`partition` has been revoked from this member.
     pub(crate) fn epoch(&self, topic: &str, partition: i32) -> u64 {
         let epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());

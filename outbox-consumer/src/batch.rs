@@ -38,7 +38,7 @@ use uuid::Uuid;
 
 use crate::consumer::bump;
 use crate::decode::{self, Rejected};
-use crate::dedup_transaction::{check_open, run_handler};
+use crate::dedup_transaction::{check_open, left_open, run_handler};
 use crate::failure::{
     AttemptError, handler_sql_error, is_connection_lost, is_inherited, is_outage, is_unavailable,
 };
@@ -107,11 +107,10 @@ where
         owned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<Vec<Outcome>, ConsumerError> {
         let started = std::time::Instant::now();
+        self.inner.know_session().await?;
         let mut items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
         self.check_copies(messages, &mut items).await?;
-        if let Some(first) = messages.first()
-            && self.parking()
-        {
+        if let Some(first) = messages.first() {
             self.load_parks(first.topic(), first.partition()).await?;
             self.mark_parked(messages, &mut items, 0);
         }
@@ -236,7 +235,7 @@ where
         let recorded: std::collections::HashMap<Uuid, String> = if tokens.is_empty() {
             std::collections::HashMap::new()
         } else {
-            sqlx::query_as(inner.sql.recorded_requeues.clone())
+            sqlx::query_as(inner.sql().recorded_requeues.clone())
                 .bind(&tokens)
                 .fetch_all(&inner.pool)
                 .await?
@@ -270,9 +269,22 @@ where
         };
         let (topic, partition) = (first.topic(), first.partition());
         let parks = &self.inner.parks;
+        // A record that breaks the contract parks its key under `ParkKey` only; keys parked
+        // before stay parked under any policy.
+        let heads = self.inner.config.on_handler_failure == crate::HandlerFailurePolicy::ParkKey;
+        // The common case, with nothing parked: one look.
+        let rejected = || {
+            items[from..]
+                .iter()
+                .any(|item| matches!(item, Item::Rejected(_)))
+        };
+        let may_park = parks.any(topic, partition) || (heads && rejected());
+        if !may_park {
+            return;
+        }
         let mut parking: HashSet<&[u8]> = HashSet::new();
         for (message, item) in messages.iter().zip(items.iter_mut()).skip(from) {
-            let Some(key) = message.key() else {
+            let Some(key) = crate::park::key_of(message) else {
                 continue;
             };
             if matches!(item, Item::Cached | Item::NotForUs) {
@@ -280,7 +292,7 @@ where
             }
             if parking.contains(key) || parks.contains(topic, partition, key) {
                 *item = Item::Parked;
-            } else if matches!(item, Item::Rejected(_)) {
+            } else if heads && matches!(item, Item::Rejected(_)) {
                 parking.insert(key);
             }
         }
@@ -331,8 +343,14 @@ where
                 event_id,
             }) => self.set_aside(message, *event_id, reason, error).await,
             Item::Parked => {
-                self.set_aside(message, None, crate::park::KEY_PARKED, "its key is parked")
-                    .await
+                self.set_aside_as(
+                    Aside::Park { head: false },
+                    message,
+                    None,
+                    crate::park::KEY_PARKED,
+                    "its key is parked",
+                )
+                .await
             }
             Item::Event(event) => {
                 self.handle_until_done(message, event, shutdown, turn, owned, failed)
@@ -378,9 +396,12 @@ where
             .ensure_slices(slices.iter().copied())
             .await
             .map_err(BatchFailure::Unavailable)?;
-        let mut tx = inner
+        let mut conn = inner
             .pool
-            .begin()
+            .acquire()
+            .await
+            .map_err(BatchFailure::from_statement)?;
+        let mut tx = sqlx::Connection::begin(&mut *conn)
             .await
             .map_err(BatchFailure::from_statement)?;
         bump(&inner.counters.transactions);
@@ -463,12 +484,17 @@ where
         if first.is_none() && !new.is_empty() {
             // Ids recorded, none processed (their handlers were cut short by a revocation):
             // no check ran to let this COMMIT through the gate (migration 0015).
-            sqlx::query(inner.sql.allow_commit.clone())
+            sqlx::query(inner.sql().allow_commit.clone())
+                .bind(inner.search_path())
                 .execute(&mut *tx)
                 .await
                 .map_err(BatchFailure::from_statement)?;
         }
         tx.commit().await.map_err(BatchFailure::from_statement)?;
+        if left_open(&mut conn) {
+            // Which handler did it is unknown: each message is replayed alone.
+            return Err(BatchFailure::Rejected);
+        }
         self.committed(messages, items, &outcomes).await;
         Ok(outcomes)
     }
@@ -477,7 +503,7 @@ where
     /// plain insert, unless `recorded` or a recent batch says some may not be.
     async fn insert_ids(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut Transaction<'_, Postgres>,
         ids: &[Uuid],
         slices: &[i32],
         recorded: bool,
@@ -494,7 +520,7 @@ where
             }
         };
         if recorded || inner.expect_duplicates.load(Ordering::Relaxed) {
-            let new: HashSet<Uuid> = sqlx::query_scalar(inner.sql.insert_dedup_batch.clone())
+            let new: HashSet<Uuid> = sqlx::query_scalar(inner.sql().insert_dedup_batch.clone())
                 .bind(&inner.name)
                 .bind(ids)
                 .bind(slices)
@@ -508,7 +534,7 @@ where
             }
             return Ok(new);
         }
-        match sqlx::query(inner.sql.insert_new_dedup_batch.clone())
+        match sqlx::query(inner.sql().insert_new_dedup_batch.clone())
             .bind(&inner.name)
             .bind(ids)
             .bind(slices)
@@ -530,7 +556,7 @@ where
     /// revoked (`owned`): the dedup rows of those not handled are deleted again.
     async fn run_items(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut Transaction<'_, Postgres>,
         messages: &[OwnedMessage],
         items: &[Item<P>],
         new: &HashSet<Uuid>,
@@ -548,7 +574,7 @@ where
                     .iter()
                     .filter_map(|id| Some(slices[ids.iter().position(|i| i == id)?]))
                     .collect();
-                sqlx::query(inner.sql.delete_dedup_batch.clone())
+                sqlx::query(inner.sql().delete_dedup_batch.clone())
                     .bind(&inner.name)
                     .bind(&unhandled)
                     .bind(&slices)
@@ -617,7 +643,7 @@ where
     /// once that commits.
     async fn record_rejected(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut Transaction<'_, Postgres>,
         message: &OwnedMessage,
         rejected: &Rejected,
     ) -> Result<Outcome, BatchFailure> {
@@ -627,14 +653,14 @@ where
             reason: rejected.reason,
             error: &rejected.error,
         };
-        self.record_aside(tx, message, Aside::of(&self.inner, message, true), entry)
+        self.record_aside(tx, message, Aside::of(&self.inner, message), entry)
             .await
     }
 
     /// Parks a record behind its parked key on the batch's transaction.
     async fn record_parked(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut Transaction<'_, Postgres>,
         message: &OwnedMessage,
     ) -> Result<Outcome, BatchFailure> {
         let entry = quarantine::Entry {
@@ -649,7 +675,7 @@ where
 
     async fn record_aside(
         &self,
-        tx: &mut Transaction<'static, Postgres>,
+        tx: &mut Transaction<'_, Postgres>,
         message: &OwnedMessage,
         aside: Aside,
         entry: quarantine::Entry<'_>,

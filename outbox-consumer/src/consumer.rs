@@ -174,7 +174,9 @@ pub(crate) struct Inner<P, H> {
     pub(crate) pool: PgPool,
     pub(crate) handler: H,
     pub(crate) cache: Cache<Uuid, ()>,
+    /// The statements, unqualified: until [`Self::session`] is known.
     pub(crate) sql: ConsumerSql,
+    pub(crate) session: std::sync::OnceLock<Session>,
     pub(crate) slices: KnownSlices,
     pub(crate) counters: Counters,
     /// Whether a recent batch met an id already recorded: batches then insert their ids with
@@ -194,7 +196,57 @@ pub(crate) struct Inner<P, H> {
     pub(crate) crash_after_commit_of: std::sync::Mutex<Option<Uuid>>,
 }
 
+/// What the consumer's statements must not take from the session a handler may have changed:
+/// the schema of its tables, and the `search_path` its connections start with. A handler that
+/// runs `SET search_path` (schema-per-tenant code does) changes it on its connection for the
+/// rest of its transaction, and for the session once it commits: the consumer's later
+/// statements would have resolved its tables elsewhere (a dedup row recorded in another
+/// schema's table, the event handled twice). So its statements name the schema, and the check
+/// before each `COMMIT` sets the `search_path` back to this one.
+#[derive(Debug)]
+pub(crate) struct Session {
+    pub(crate) sql: ConsumerSql,
+    pub(crate) search_path: String,
+}
+
 impl<P, H> Inner<P, H> {
+    /// The consumer's statements: schema-qualified once [`Self::session`] is known.
+    pub(crate) fn sql(&self) -> &ConsumerSql {
+        self.session.get().map_or(&self.sql, |session| &session.sql)
+    }
+
+    /// The `search_path` the consumer's connections start with, once known.
+    pub(crate) fn search_path(&self) -> Option<&str> {
+        self.session
+            .get()
+            .map(|session| session.search_path.as_str())
+    }
+
+    /// Learns [`Session`] once: where the dedup table is, and the `search_path` that found it.
+    /// `Err` when the database cannot be reached; a missing table leaves it unknown (the
+    /// statements then fail, saying so).
+    pub(crate) async fn know_session(&self) -> Result<(), sqlx::Error> {
+        if self.session.get().is_some() {
+            return Ok(());
+        }
+        let found: Option<(String, String)> = sqlx::query_as(
+            "SELECT pg_catalog.current_setting('search_path'), n.nspname::text \
+             FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.oid = pg_catalog.to_regclass($1)",
+        )
+        .bind(self.config.tables.consumer_dedup.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some((search_path, schema)) = found {
+            let _ = self.session.set(Session {
+                sql: ConsumerSql::new(&self.config.tables, Some(&schema)),
+                search_path,
+            });
+        }
+        Ok(())
+    }
+
     /// Makes sure the dedup slices `days` exist before a transaction inserts into them, and
     /// returns those that are missing and may not be made here (`slice.rs`): the transaction
     /// passes them to [`Self::fall_back`]. Callers treat a failure as the database being
@@ -255,7 +307,7 @@ impl<P, H> Inner<P, H> {
     ) -> Result<(Vec<Uuid>, Vec<i32>), sqlx::Error> {
         let late: Vec<Uuid> = ids.iter().copied().filter(|id| place.is_late(id)).collect();
         let dedup = &self.config.tables.consumer_dedup;
-        let found = crate::slice::recorded_late(conn, &self.sql, dedup, &self.name, &late).await?;
+        let found = crate::slice::recorded_late(conn, self.sql(), dedup, &self.name, &late).await?;
         if found.is_empty() {
             return Ok((ids, slices));
         }
@@ -322,7 +374,8 @@ where
         Ok(Self {
             inner: Arc::new(Inner {
                 name,
-                sql: ConsumerSql::new(&config.tables),
+                sql: ConsumerSql::new(&config.tables, None),
+                session: std::sync::OnceLock::new(),
                 slices: KnownSlices::default(),
                 config,
                 pool,
@@ -424,9 +477,22 @@ where
         reason: &'static str,
         error: &str,
     ) -> Result<Outcome, ConsumerError> {
+        let aside = crate::park::Aside::of(&self.inner, message);
+        self.set_aside_as(aside, message, event_id, reason, error)
+            .await
+    }
+
+    /// [`Self::set_aside`], `aside` as said.
+    pub(crate) async fn set_aside_as(
+        &self,
+        aside: crate::park::Aside,
+        message: &OwnedMessage,
+        event_id: Option<Uuid>,
+        reason: &'static str,
+        error: &str,
+    ) -> Result<Outcome, ConsumerError> {
         let inner = &*self.inner;
         let mut conn = inner.pool.acquire().await?;
-        let aside = crate::park::Aside::of(inner, message, true);
         let entry = quarantine::Entry {
             consumer: &inner.name,
             event_id,
@@ -456,7 +522,7 @@ where
             }
             crate::park::Aside::Park { head } => {
                 bump(&inner.counters.parked);
-                let key = message.key().unwrap_or_default();
+                let key = crate::park::key_of(message).unwrap_or_default();
                 let parked = inner.parks.add(topic, partition, key);
                 if head {
                     tracing::error!(consumer = %inner.name, topic, partition, offset, reason,

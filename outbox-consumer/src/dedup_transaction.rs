@@ -124,7 +124,10 @@ where
             .ensure_slices([slice])
             .await
             .map_err(AttemptError::Unavailable)?;
-        let mut tx = inner.pool.begin().await.map_err(statement)?;
+        let mut conn = inner.pool.acquire().await.map_err(statement)?;
+        let mut tx = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(statement)?;
         let began = Instant::now();
         bump(&inner.counters.transactions);
         // Its day's slice missing, and not ours to make: its fallback (`slice.rs`).
@@ -141,7 +144,7 @@ where
         let inserted = if unrecorded.is_empty() {
             0
         } else {
-            sqlx::query(inner.sql.insert_dedup.clone())
+            sqlx::query(inner.sql().insert_dedup.clone())
                 .bind(&inner.name)
                 .bind(id)
                 .bind(slice)
@@ -183,12 +186,40 @@ where
         tx.commit()
             .await
             .map_err(|e| AttemptError::from_statement("commit_failed", e))?;
+        if left_open(&mut conn) {
+            return Err(AttemptError::Failed {
+                reason: "handler_failed",
+                error: "the handler left a transaction of its own open on the connection (a \
+                        sqlx Transaction it neither committed nor dropped: mem::forget?), so \
+                        the consumer's COMMIT only released its savepoint: nothing was \
+                        committed, and the connection is closed"
+                    .to_owned(),
+                retry: true,
+            });
+        }
         inner.cache.insert(id, ()).await;
         bump(&inner.counters.processed);
         tracing::debug!(consumer = %inner.name, event_id = %event.id, topic = %event.topic,
             partition = event.partition, offset = event.offset, "processed");
         Ok(Outcome::Processed)
     }
+}
+
+/// Whether the connection is still in a transaction after the consumer's `COMMIT`: a handler
+/// leaked a transaction it began (`conn.begin()`, then `mem::forget`), sqlx counted it, and
+/// turned the consumer's `COMMIT` into a `RELEASE SAVEPOINT`. Nothing is committed then; the
+/// connection is closed rather than returned to the pool, which rolls the whole transaction
+/// back on the server (returned, it would have rolled back later, after the offsets were
+/// stored: the messages lost).
+pub(crate) fn left_open(conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>) -> bool {
+    if !sqlx::Connection::is_in_transaction(&**conn) {
+        return false;
+    }
+    conn.close_on_drop();
+    tracing::warn!(
+        "a handler left a transaction open; nothing it ran was committed, and its connection is closed"
+    );
+    true
 }
 
 /// Runs `handler` on `conn`. A panicking handler is a failing handler: it must not take the
@@ -318,10 +349,11 @@ pub(crate) async fn check_open<P, H>(
     slice: i32,
     alone: Option<Instant>,
 ) -> Result<(), AttemptError> {
-    match sqlx::query_scalar::<_, bool>(inner.sql.holds_dedup_row.clone())
+    match sqlx::query_scalar::<_, bool>(inner.sql().holds_dedup_row.clone())
         .bind(&inner.name)
         .bind(id)
         .bind(slice)
+        .bind(inner.search_path())
         .fetch_one(conn)
         .await
     {

@@ -35,6 +35,17 @@ pub enum ConsumerError {
     /// stops so that no later offset is stored past the message it left unhandled.
     #[error("partition worker failed: {0}")]
     Worker(String),
+    /// `parked::skip` was given a parked message that is not the first of its key: the
+    /// messages of a key are dropped in order, or its order would change.
+    #[error(
+        "parked message {id} is not the first of its key; the first is {head}: skip that one first (or release the key)"
+    )]
+    NotParkedHead {
+        /// The message given.
+        id: i64,
+        /// The first message parked under its key.
+        head: i64,
+    },
     /// The consumer configuration is not usable.
     #[error("invalid consumer configuration: {0}")]
     Config(String),

@@ -18,6 +18,7 @@
 //! A record that fails again parks the key again (the release is cleared), with what failed.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -50,13 +51,19 @@ pub(crate) enum Aside {
     },
 }
 
+/// `message`'s key, if it has one to keep the order of: a missing or empty key has none (the
+/// relay never writes one; another producer's records without a key go to any partition).
+pub(crate) fn key_of(message: &OwnedMessage) -> Option<&[u8]> {
+    message.key().filter(|key| !key.is_empty())
+}
+
 impl Aside {
-    /// Where `message` goes: its key's park under `ParkKey` when it has a key.
-    pub(crate) fn of<P, H>(inner: &Inner<P, H>, message: &OwnedMessage, head: bool) -> Self {
+    /// Where `message`, given up on, goes: it parks its key under `ParkKey` when it has one.
+    pub(crate) fn of<P, H>(inner: &Inner<P, H>, message: &OwnedMessage) -> Self {
         if inner.config.on_handler_failure == HandlerFailurePolicy::ParkKey
-            && message.key().is_some()
+            && key_of(message).is_some()
         {
-            Self::Park { head }
+            Self::Park { head: true }
         } else {
             Self::Quarantine
         }
@@ -65,9 +72,9 @@ impl Aside {
     /// The statement that stores it (`quarantine::store` binds it).
     pub(crate) fn sql<P, H>(self, inner: &Inner<P, H>) -> &SqlStr {
         match self {
-            Self::Quarantine => &inner.sql.quarantine,
-            Self::Park { head: true } => &inner.sql.park_head,
-            Self::Park { head: false } => &inner.sql.park_behind,
+            Self::Quarantine => &inner.sql().quarantine,
+            Self::Park { head: true } => &inner.sql().park_head,
+            Self::Park { head: false } => &inner.sql().park_behind,
         }
     }
 }
@@ -132,21 +139,19 @@ where
     P: DeserializeOwned + Send + Sync + 'static,
     H: Handler<P>,
 {
-    pub(crate) fn parking(&self) -> bool {
-        self.inner.config.on_handler_failure == HandlerFailurePolicy::ParkKey
-    }
-
-    /// Loads the keys parked on `topic`/`partition` unless they are known.
+    /// Loads the keys parked on `topic`/`partition` unless they are known. Whatever the
+    /// policy: keys parked under `ParkKey` stay parked, their records in order, after a switch
+    /// to another policy, until released.
     pub(crate) async fn load_parks(
         &self,
         topic: &str,
         partition: i32,
     ) -> Result<(), ConsumerError> {
         let inner = &*self.inner;
-        if !self.parking() || inner.parks.loaded(topic, partition) {
+        if inner.parks.loaded(topic, partition) {
             return Ok(());
         }
-        let rows: Vec<(Vec<u8>, i64)> = sqlx::query_as(inner.sql.parked_keys.clone())
+        let rows: Vec<(Vec<u8>, i64)> = sqlx::query_as(inner.sql().parked_keys.clone())
             .bind(&inner.name)
             .bind(topic)
             .bind(partition)
@@ -163,9 +168,40 @@ where
         Ok(())
     }
 
+    /// Replays the keys released on `topic`/`partition`: each key's parked messages go through
+    /// the handler in offset order (each once), and a key whose messages were all handled is
+    /// unparked. [`run`](Self::run) does it for the partitions it owns, within a second of a
+    /// release; a loop driving [`process_batch`](Self::process_batch) by hand calls it for
+    /// the partitions it owns (it loads their parked keys again first: another member may have
+    /// parked some since). At most
+    /// [`ConsumerConfig::max_batch_size`](crate::ConsumerConfig::max_batch_size) messages per
+    /// call; `Ok(true)`: there may be more, call again. `Err` when the database is unavailable.
+    pub async fn replay_released(
+        &self,
+        topic: &str,
+        partition: i32,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, ConsumerError> {
+        let inner = &*self.inner;
+        inner.parks.forget(topic, partition);
+        self.load_parks(topic, partition).await?;
+        let replayed = || inner.counters.replayed.load(Ordering::Relaxed);
+        let before = replayed();
+        self.replay_keys(
+            (topic, partition),
+            shutdown,
+            &mut Turn::unlimited(),
+            &|| true,
+        )
+        .await?;
+        Ok(replayed() - before >= inner.config.max_batch_size as u64)
+    }
+
     /// Replays the records of the keys released on `topic`/`partition` (see the module docs)
-    /// while the partition is `owned`. `Ok(false)`: shutdown came during a retry's backoff.
-    pub(crate) async fn replay_released(
+    /// while the partition is `owned`, at most `max_batch_size` of them, so that the
+    /// partition's other keys wait no longer than for a batch (the rest come at the next
+    /// poll). `Ok(false)`: shutdown came.
+    pub(crate) async fn replay_keys(
         &self,
         (topic, partition): (&str, i32),
         shutdown: &CancellationToken,
@@ -173,21 +209,27 @@ where
         owned: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<bool, ConsumerError> {
         let inner = &*self.inner;
-        let released: Vec<Vec<u8>> = sqlx::query_scalar(inner.sql.released_keys.clone())
+        inner.know_session().await?;
+        let mut budget = inner.config.max_batch_size;
+        let released: Vec<Vec<u8>> = sqlx::query_scalar(inner.sql().released_keys.clone())
             .bind(&inner.name)
             .bind(topic)
             .bind(partition)
             .fetch_all(&inner.pool)
             .await?;
         for key in released {
-            tracing::info!(consumer = %inner.name, topic, partition,
-                key = %outbox_core::escape(&String::from_utf8_lossy(&key)), "replaying a released key");
+            let shown = outbox_core::escape(&String::from_utf8_lossy(&key)).to_string();
+            tracing::info!(consumer = %inner.name, topic, partition, key = %shown, "replaying a released key");
             loop {
-                if !owned() {
+                if shutdown.is_cancelled() {
+                    return Ok(false);
+                }
+                if !owned() || budget == 0 {
                     return Ok(true);
                 }
+                budget -= 1;
                 let head: Option<QuarantinedMessage> =
-                    sqlx::query_as(inner.sql.parked_head.clone())
+                    sqlx::query_as(inner.sql().parked_head.clone())
                         .bind(&inner.name)
                         .bind(topic)
                         .bind(partition)
@@ -195,22 +237,33 @@ where
                         .fetch_optional(&inner.pool)
                         .await?;
                 let Some(head) = head else {
-                    let unparked = sqlx::query(inner.sql.unpark_key.clone())
+                    sqlx::query(inner.sql().unpark_key.clone())
                         .bind(&inner.name)
                         .bind(topic)
                         .bind(partition)
                         .bind(&key)
                         .execute(&inner.pool)
-                        .await?
-                        .rows_affected();
-                    if unparked > 0 {
-                        inner.parks.remove(topic, partition, &key);
-                        tracing::info!(consumer = %inner.name, topic, partition,
-                            key = %outbox_core::escape(&String::from_utf8_lossy(&key)), "key released: its records were handled");
-                    }
+                        .await?;
+                    // Its row is gone either way (another member's replay may have taken it).
+                    inner.parks.remove(topic, partition, &key);
+                    tracing::info!(consumer = %inner.name, topic, partition, key = %shown,
+                        "key released: its records were handled");
                     break;
                 };
-                let message = as_received(&head);
+                let Some(message) = as_received(&head) else {
+                    // Rebuilt, it would not be the record received: it stays, and says so.
+                    sqlx::query(inner.sql().unreplayable.clone())
+                        .bind(head.id)
+                        .bind(&inner.name)
+                        .bind(topic)
+                        .bind(partition)
+                        .bind(&key)
+                        .execute(&inner.pool)
+                        .await?;
+                    tracing::error!(consumer = %inner.name, topic, partition, offset = head.offset,
+                        "a parked record whose header name is not UTF-8 cannot be replayed; skip it");
+                    break;
+                };
                 let mut item = [self.decode_item(&message)];
                 self.check_copies(std::slice::from_ref(&message), &mut item)
                     .await?;
@@ -226,7 +279,7 @@ where
                     Outcome::Revoked => return Ok(true),
                     outcome => {
                         crate::consumer::record_metric(&inner.name, &outcome);
-                        sqlx::query(inner.sql.unpark_record.clone())
+                        sqlx::query(inner.sql().unpark_record.clone())
                             .bind(head.id)
                             .execute(&inner.pool)
                             .await?;
@@ -238,22 +291,21 @@ where
     }
 }
 
-/// The record a parked row holds, as it was received. A header name that is not UTF-8 comes
-/// back with U+FFFD in place of its bad bytes: no such name is one the wire contract reads,
-/// so the record decodes as it did.
-fn as_received(row: &QuarantinedMessage) -> OwnedMessage {
+/// The record a parked row holds, as it was received; `None` when a header's name is not
+/// UTF-8 (a header name is a `&str` to rdkafka) or the headers cannot be read.
+fn as_received(row: &QuarantinedMessage) -> Option<OwnedMessage> {
     let headers = row
         .received_headers()
-        .unwrap_or_default()
+        .ok()?
         .into_iter()
-        .filter_map(|header| match header {
+        .map(|header| match header {
             ReceivedHeader::Whole { name, value } => Some((name, value)),
-            ReceivedHeader::Bytes { name, value } => {
-                Some((String::from_utf8_lossy(&name).into_owned(), value))
-            }
-            // Only in rows older than the park table.
+            // A name with a NUL inside is still UTF-8: the same name.
+            ReceivedHeader::Bytes { name, value } => Some((String::from_utf8(name).ok()?, value)),
             _ => None,
         })
+        .collect::<Option<Vec<_>>>()?
+        .into_iter()
         .fold(OwnedHeaders::new(), |headers, (name, value)| {
             headers.insert(Header {
                 key: name.as_str(),
@@ -263,7 +315,7 @@ fn as_received(row: &QuarantinedMessage) -> OwnedMessage {
     let timestamp = row.record_timestamp.map_or(Timestamp::NotAvailable, |at| {
         Timestamp::CreateTime(at.timestamp_millis())
     });
-    OwnedMessage::new(
+    Some(OwnedMessage::new(
         row.payload.clone(),
         row.message_key.clone(),
         row.topic.clone(),
@@ -271,5 +323,5 @@ fn as_received(row: &QuarantinedMessage) -> OwnedMessage {
         row.partition,
         row.offset,
         Some(headers),
-    )
+    ))
 }

@@ -115,9 +115,11 @@ pub async fn release(
         .rows_affected())
 }
 
-/// Drops parked record `id` for good, recorded in `outbox_quarantine_audit` as a discard
-/// (with `note`), and asks for the release of its key, so that the records behind it are
-/// replayed: all in one transaction. Returns how many records it dropped (0: `id` is gone).
+/// Drops parked record `id`, the first of its key, for good, recorded in
+/// `outbox_quarantine_audit` as a discard (with `note`), and asks for the release of its key,
+/// so that the records behind it are replayed: all in one transaction. Returns how many
+/// records it dropped (0: `id` is gone). A record behind another of its key is refused
+/// ([`ConsumerError::NotParkedHead`]).
 pub async fn skip(
     conn: &mut PgConnection,
     tables: &TableNames,
@@ -126,6 +128,21 @@ pub async fn skip(
 ) -> Result<u64, ConsumerError> {
     let (keys, parked) = (table(tables, PARKED_KEYS), table(tables, PARKED));
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let head: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT (SELECT h.id FROM {parked} h WHERE h.consumer = p.consumer AND h.topic = p.topic \
+                 AND h.partition = p.partition AND h.message_key = p.message_key \
+                 ORDER BY h.\"offset\", h.id LIMIT 1) \
+         FROM {parked} p WHERE p.id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?
+    .flatten();
+    match head {
+        None => return Ok(0),
+        Some(head) if head != id => return Err(ConsumerError::NotParkedHead { id, head }),
+        Some(_) => {}
+    }
     let sql = format!(
         "UPDATE {keys} k SET release_requested_at = now() FROM {parked} p \
          WHERE p.id = $1 AND k.consumer = p.consumer AND k.topic = p.topic \

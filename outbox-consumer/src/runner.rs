@@ -226,29 +226,20 @@ where
         let context = consumer.context();
         // A message taken at another count than the batch before it: it starts the next one.
         let mut carried: Option<Fetched> = None;
-        // The count at which this partition's parked keys were loaded (`park.rs`).
+        // The revocation count at which this partition's parked keys were loaded (`park.rs`):
+        // they are loaded again after each revocation, and released keys replayed while the
+        // partition is owned, whether records come or not.
         let mut parks_of: Option<u64> = None;
-        let mut release_poll = tokio::time::interval(crate::park::RELEASE_POLL);
-        release_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        if self.parking() {
-            // Keys parked before this assignment are released even if no record comes.
-            let epoch = context.epoch(topic, partition);
-            self.inner.parks.forget(topic, partition);
-            match self.load_parks(topic, partition).await {
-                Ok(()) => parks_of = Some(epoch),
-                Err(error) => tracing::warn!(error = %outbox_core::escape(&error.to_string()),
-                    topic, partition, "cannot load the parked keys; the first batch does"),
-            }
-        }
+        let mut park_poll = tokio::time::interval(crate::park::RELEASE_POLL);
+        park_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let parked = parks_of.is_some() && self.inner.parks.any(topic, partition);
             let first = match carried.take() {
                 Some(taken) => taken,
                 None => tokio::select! {
                     biased;
                     () = stop.cancelled() => return Ok(()),
-                    _ = release_poll.tick(), if parked => {
-                        if !self.replay_released_now(context, (topic, partition), permits, stop).await? {
+                    _ = park_poll.tick() => {
+                        if !self.tend_parks(context, (topic, partition), &mut parks_of, permits, stop).await? {
                             return Ok(());
                         }
                         continue;
@@ -260,8 +251,9 @@ where
                 },
             };
             let epoch = first.epoch;
-            if self.parking() && parks_of != Some(epoch) {
-                // Assigned again: another member may have parked keys meanwhile.
+            if parks_of != Some(epoch) {
+                // Revoked since they were loaded: another member may have parked keys meanwhile
+                // (`handle_batch` loads them again).
                 self.inner.parks.forget(topic, partition);
                 parks_of = Some(epoch);
             }
@@ -341,27 +333,40 @@ where
         }
     }
 
-    /// Replays the keys released on the partition (`park.rs`) while it stays owned, on a
-    /// turn of its own; a database that cannot be reached is tried again at the next poll.
-    /// `Ok(false)`: shutdown came meanwhile.
-    async fn replay_released_now<C: ClientContext + 'static>(
+    /// While the partition is owned: loads its parked keys (again after a revocation), and
+    /// replays those released (`park.rs`) on a turn of its own. A database that cannot be
+    /// reached is tried again at the next poll. `Ok(false)`: shutdown came meanwhile.
+    async fn tend_parks<C: ClientContext + 'static>(
         &self,
         context: &DedupContext<C>,
         (topic, partition): (&str, i32),
+        parks_of: &mut Option<u64>,
         permits: &Semaphore,
         stop: &CancellationToken,
     ) -> Result<bool, ConsumerError> {
         let epoch = context.epoch(topic, partition);
-        let owned = || context.epoch(topic, partition) == epoch;
-        let mut turn = Turn::take(permits).await?;
-        match self
-            .replay_released((topic, partition), stop, &mut turn, &owned)
-            .await
-        {
+        if !context.owns(topic, partition) || *parks_of != Some(epoch) {
+            self.inner.parks.forget(topic, partition);
+            *parks_of = context.owns(topic, partition).then_some(epoch);
+        }
+        if parks_of.is_none() {
+            return Ok(true);
+        }
+        let owned = || context.epoch(topic, partition) == epoch && context.owns(topic, partition);
+        let tended = async {
+            self.load_parks(topic, partition).await?;
+            if !self.inner.parks.any(topic, partition) {
+                return Ok(true);
+            }
+            let mut turn = Turn::take(permits).await?;
+            self.replay_keys((topic, partition), stop, &mut turn, &owned)
+                .await
+        };
+        match tended.await {
             Ok(going) => Ok(going),
             Err(error) => {
                 tracing::warn!(error = %outbox_core::escape(&error.to_string()), topic, partition,
-                    "cannot replay the released keys; trying again");
+                    "cannot load or replay the parked keys; trying again");
                 Ok(true)
             }
         }

@@ -28,7 +28,8 @@ pub(crate) struct ConsumerSql {
     /// [`LATE_ID_LOCKS`] per (dedup table, consumer).
     pub(crate) lock_late_ids: SqlStr,
     /// Run before COMMIT (`failure.rs`): whether the dedup row of consumer `$1`, id `$2`, slice
-    /// `$3` is visible and was inserted by the transaction now open; it also lets the
+    /// `$3` is visible (it also sets the session's `search_path` back to `$4`, the consumer's,
+    /// whatever a handler set: see [`crate::consumer::Session`]) and was inserted by the transaction now open; it also lets the
     /// consumer's COMMIT through migration 0015's gate (and deletes the gate's row). Fails with SQLSTATE 25P02
     /// in an aborted transaction (and with the server's error if it ended the session); false
     /// if the transaction that holds the dedup rows was ended by a handler (`ROLLBACK`, or
@@ -57,6 +58,9 @@ pub(crate) struct ConsumerSql {
     pub(crate) parked_head: SqlStr,
     /// The requeues of tokens `$1` recorded (`requeue.rs`): token, the consumer it is for.
     pub(crate) recorded_requeues: SqlStr,
+    /// Parked record `$1` cannot be replayed: says so in its error, and clears the release of
+    /// its key (`$2`..`$5` as `unpark_key`'s `$1`..`$4`).
+    pub(crate) unreplayable: SqlStr,
     /// Deletes parked record `$1` (replayed).
     pub(crate) unpark_record: SqlStr,
     /// Unparks key `$4` of `$1`, `$2`, `$3` when it has no record parked; true if it did.
@@ -64,13 +68,20 @@ pub(crate) struct ConsumerSql {
 }
 
 impl ConsumerSql {
-    pub(crate) fn new(tables: &TableNames) -> Self {
-        let dedup = &tables.consumer_dedup;
-        let quarantine = &tables.consumer_quarantine;
+    /// The statements on `tables`, qualified by `schema` when given (see
+    /// [`crate::consumer::Session`]).
+    pub(crate) fn new(tables: &TableNames, schema: Option<&str>) -> Self {
+        let qualified = |table: &outbox_core::Ident| match schema {
+            Some(schema) => format!("\"{}\".{table}", schema.replace('"', "\"\"")),
+            None => table.to_string(),
+        };
+        let (dedup_table, quarantine_table) = (&tables.consumer_dedup, &tables.consumer_quarantine);
         // Migration 0016's tables, named after the quarantine as the gate is after the dedup
         // table.
-        let parked = quarantine.suffixed(crate::parked::PARKED).to_string();
-        let keys = quarantine.suffixed(crate::parked::PARKED_KEYS).to_string();
+        let parked = qualified(&quarantine_table.suffixed(crate::parked::PARKED));
+        let keys = qualified(&quarantine_table.suffixed(crate::parked::PARKED_KEYS));
+        let requeues = qualified(&quarantine_table.suffixed(REQUEUES));
+        let (dedup, quarantine) = (qualified(dedup_table), qualified(quarantine_table));
         let store = |table: &str, on_conflict: &str| {
             format!(
                 "INSERT INTO {table} \
@@ -91,7 +102,7 @@ impl ConsumerSql {
         // Migration 0015's gate: a row per transaction that records ids, whose deferred check
         // fails any COMMIT but the consumer's own (`holds_dedup_row` allows it).
         // An `Ident` is lowercase letters, digits and '_': the suffixed name stays one.
-        let gate = format!("\"{}_gate\"", dedup.as_str());
+        let gate = qualified(&dedup_table.suffixed("_gate"));
         let with_gate = |insert: String| {
             format!(
                 "WITH ins AS ({insert} RETURNING event_id), \
@@ -134,21 +145,24 @@ impl ConsumerSql {
             holds_dedup_row: AssertSqlSafe(format!(
                 "WITH opened AS (DELETE FROM {gate} WHERE tx = pg_current_xact_id_if_assigned()) \
                  SELECT set_config('outbox.consumer_commit', 'on', true) = 'on' \
+                    AND set_config('search_path', \
+                                   coalesce($4, current_setting('search_path')), false) \
+                        IS NOT NULL \
                     AND EXISTS (SELECT FROM {dedup} WHERE consumer = $1 AND event_id = $2 \
                                 AND slice = $3 AND xmin = pg_current_xact_id_if_assigned()::xid)"
             ))
             .into_sql_str(),
             allow_commit: AssertSqlSafe(format!(
                 "WITH opened AS (DELETE FROM {gate} WHERE tx = pg_current_xact_id_if_assigned()) \
-                 SELECT set_config('outbox.consumer_commit', 'on', true)"
+                 SELECT set_config('outbox.consumer_commit', 'on', true), \
+                    set_config('search_path', coalesce($1, current_setting('search_path')), false)"
             ))
             .into_sql_str(),
             find_recorded: AssertSqlSafe(format!(
                 "SELECT DISTINCT event_id FROM {dedup} WHERE consumer = $1 AND event_id = ANY($2)"
             ))
             .into_sql_str(),
-            quarantine: AssertSqlSafe(store(quarantine.to_string().as_str(), "DO NOTHING"))
-                .into_sql_str(),
+            quarantine: AssertSqlSafe(store(&quarantine, "DO NOTHING")).into_sql_str(),
             park_head: AssertSqlSafe(format!(
                 "WITH {} {}",
                 park_key("DO UPDATE SET release_requested_at = NULL"),
@@ -183,8 +197,14 @@ impl ConsumerSql {
             ))
             .into_sql_str(),
             recorded_requeues: AssertSqlSafe(format!(
-                "SELECT token, for_consumer FROM {} WHERE token = ANY($1)",
-                quarantine.suffixed(REQUEUES)
+                "SELECT token, for_consumer FROM {requeues} WHERE token = ANY($1)"
+            ))
+            .into_sql_str(),
+            unreplayable: AssertSqlSafe(format!(
+                "WITH held AS (UPDATE {keys} SET release_requested_at = NULL \
+                    WHERE consumer = $2 AND topic = $3 AND partition = $4 AND message_key = $5) \
+                 UPDATE {parked} SET error = 'cannot be replayed: a header name is not UTF-8 \
+                    (outbox parked skip drops it); ' || error WHERE id = $1"
             ))
             .into_sql_str(),
             unpark_record: AssertSqlSafe(format!("DELETE FROM {parked} WHERE id = $1"))

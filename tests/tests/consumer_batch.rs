@@ -386,7 +386,11 @@ async fn dedup_inserts<F: std::future::Future>(run: F) -> (F::Output, Vec<bool>)
         .all()
         .iter()
         // The dedup inserts (the statement also inserts the transaction's gate row).
-        .filter(|s| s.contains("INSERT INTO \"outbox_consumer_dedup\" (consumer, event_id, slice)"))
+        // (schema-qualified: `INSERT INTO "<schema>"."outbox_consumer_dedup" ...`).
+        .filter(|s| {
+            s.contains("INSERT INTO")
+                && s.contains(".\"outbox_consumer_dedup\" (consumer, event_id, slice)")
+        })
         .map(|s| s.contains("ON CONFLICT"))
         .collect();
     (output, inserts)

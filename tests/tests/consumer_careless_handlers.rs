@@ -70,6 +70,10 @@ enum Care {
     Commit,
     /// Fails (returns an error to retry).
     Fail,
+    /// Begins a transaction of its own (a savepoint) and forgets it: sqlx still counts it.
+    LeakTransaction,
+    /// Sets the session's `search_path` elsewhere (schema-per-tenant code does) and leaves it.
+    SetSearchPath,
 }
 
 /// A handler doing what `plan` says for each payload `n` (`Record` for the rest).
@@ -157,6 +161,15 @@ impl Handler<Step> for Careless {
                     sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
                 }
                 Care::Fail => return Err(HandlerError::retry("careless handler failed")),
+                Care::LeakTransaction => {
+                    let nested = sqlx::Connection::begin(&mut *conn).await?;
+                    std::mem::forget(nested);
+                }
+                Care::SetSearchPath => {
+                    sqlx::query("SET search_path TO public")
+                        .execute(&mut *conn)
+                        .await?;
+                }
             }
             Ok(())
         }
@@ -965,5 +978,60 @@ async fn a_connection_cut_under_every_try_is_charged_after_a_few() -> Result<()>
         "{rows:?}"
     );
     assert_eq!(effects(&db.pool).await?, Vec::<i64>::new());
+    Ok(())
+}
+
+/// A handler that leaks a transaction of its own (a sqlx `Transaction` it forgets) turns the
+/// consumer's `COMMIT` into a `RELEASE SAVEPOINT`: nothing is committed. Fails before the fix:
+/// every outcome was `Processed` and the offsets would be stored, but the connection went back
+/// to the pool inside the open transaction, which rolled back later: all five effects and
+/// dedup rows lost. Now the leaking message fails alone, the others commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_leaks_a_transaction_fails_alone_and_loses_no_other_message() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let handler = Careless::new(&[(2, Care::LeakTransaction)]);
+    run_batch(&db, db.pool.clone(), 5, handler, &[(2, "handler_failed")]).await?;
+    let rows = quarantined(&db.pool).await?;
+    assert!(
+        rows[0].2.contains("left a transaction of its own open"),
+        "{rows:?}"
+    );
+    Ok(())
+}
+
+/// A handler that sets the session's `search_path` (to a schema without the consumer's tables)
+/// changes nothing the consumer does: its statements name their schema, and the check before
+/// `COMMIT` sets the path back, so the next batch on the same connection finds its tables
+/// and the handlers theirs. Fails before the fix: the check before `COMMIT` looked for the
+/// gate and dedup tables in the handler's schema, and every message was quarantined; with the
+/// path left set, the next batch's statements went elsewhere too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_sets_the_search_path_changes_nothing_for_the_consumer() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    // One connection: the next batch runs on the session the handler changed.
+    let pool = pool_of(&db, &[], 1).await?;
+    let c = run_batch(
+        &db,
+        pool.clone(),
+        5,
+        Careless::new(&[(4, Care::SetSearchPath)]),
+        &[],
+    )
+    .await?;
+    let (_, messages) = batch(5);
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(outcomes, vec![Outcome::Processed; 5]);
+    assert_eq!(effects(&db.pool).await?.len(), 10, "each effect once");
+    let path: String = sqlx::query_scalar("SHOW search_path")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(
+        path, db.schema,
+        "the session's path is the consumer's again"
+    );
     Ok(())
 }

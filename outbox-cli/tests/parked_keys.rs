@@ -89,11 +89,29 @@ fn start(
     poison: &Arc<AtomicBool>,
     stop: &CancellationToken,
 ) -> Result<tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>> {
+    start_with(
+        db,
+        topic,
+        group,
+        poison,
+        stop,
+        HandlerFailurePolicy::ParkKey,
+    )
+}
+
+fn start_with(
+    db: &TestDb,
+    topic: &str,
+    group: &str,
+    poison: &Arc<AtomicBool>,
+    stop: &CancellationToken,
+    policy: HandlerFailurePolicy,
+) -> Result<tokio::task::JoinHandle<Result<(), outbox_consumer::ConsumerError>>> {
     let poison = poison.clone();
     let consumer = DedupConsumer::new(
         db.pool.clone(),
         ConsumerConfig::new("billing")
-            .on_handler_failure(HandlerFailurePolicy::ParkKey)
+            .on_handler_failure(policy)
             .max_attempts(2)
             .backoff(Duration::from_millis(1), Duration::from_millis(10)),
         outbox_consumer::boxed(move |event: &Event<Step>, conn| {
@@ -213,12 +231,14 @@ async fn a_key_given_up_on_is_parked_in_order_and_released_by_the_cli() -> Resul
     );
     ensure!(effects_of_k(&db.pool).await?.is_empty(), "K still waits");
 
-    // Fixed: the release replays K's 52 records in offset order, each once.
+    // Fixed: the release replays K's 52 records in offset order, each once; K52, sent as the
+    // release is asked for, is parked behind them or handled after them, whichever comes first.
     poison.store(false, Ordering::SeqCst);
     let released = outbox(&db, &["parked", "release", "K"])?;
     ensure!(released.contains("release of key K"), "{released}");
-    eventually("K's 52 records handled", WAIT, || async {
-        Ok(effects_of_k(&db.pool).await?.len() >= 52)
+    send(&topic, &[step("K", 52)]).await?;
+    eventually("K's 53 records handled", WAIT, || async {
+        Ok(effects_of_k(&db.pool).await?.len() >= 53)
     })
     .await?;
     eventually("K unparked", WAIT, || async {
@@ -231,7 +251,7 @@ async fn a_key_given_up_on_is_parked_in_order_and_released_by_the_cli() -> Resul
     })
     .await?;
     ensure!(
-        effects_of_k(&db.pool).await? == (0..=51).collect::<Vec<_>>(),
+        effects_of_k(&db.pool).await? == (0..=52).collect::<Vec<_>>(),
         "in offset order, each once"
     );
     let parked = count(
@@ -242,9 +262,9 @@ async fn a_key_given_up_on_is_parked_in_order_and_released_by_the_cli() -> Resul
     ensure!(parked == 0, "nothing left parked: {parked}");
 
     // K flows again.
-    send(&topic, &[step("K", 52)]).await?;
+    send(&topic, &[step("K", 53)]).await?;
     eventually("K's next record handled", WAIT, || async {
-        Ok(effects_of_k(&db.pool).await?.len() == 53)
+        Ok(effects_of_k(&db.pool).await?.len() == 54)
     })
     .await?;
     let all = count(
@@ -326,6 +346,60 @@ async fn skip_drops_a_poison_head_audited_and_replays_the_rest() -> Result<()> {
             == 0)
     })
     .await?;
+    stop.cancel();
+    running.await??;
+    Ok(())
+}
+
+/// Keys parked under `ParkKey` stay parked, their records in order, after the consumer is
+/// restarted under another policy, and a release still replays them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_parked_stays_parked_after_a_switch_to_another_policy() -> Result<()> {
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let group = unique("parked");
+    let poison = Arc::new(AtomicBool::new(true));
+    let stop = CancellationToken::new();
+    let running = start(&db, &topic, &group, &poison, &stop)?;
+    send(&topic, &[step("K", 0), step("K", 1)]).await?;
+    eventually("K's two records parked", WAIT, || async {
+        Ok(count(
+            &db.pool,
+            "SELECT count(*) FROM outbox_consumer_quarantine_parked",
+        )
+        .await?
+            == 2)
+    })
+    .await?;
+    stop.cancel();
+    running.await??;
+
+    poison.store(false, Ordering::SeqCst);
+    let stop = CancellationToken::new();
+    let running = start_with(
+        &db,
+        &topic,
+        &group,
+        &poison,
+        &stop,
+        HandlerFailurePolicy::Quarantine,
+    )?;
+    send(&topic, &[step("K", 2), step("after", 0)]).await?;
+    eventually("the other key handled", WAIT, || async {
+        Ok(count(&db.pool, "SELECT count(*) FROM effects WHERE key = 'after'").await? == 1)
+    })
+    .await?;
+    ensure!(
+        effects_of_k(&db.pool).await?.is_empty(),
+        "K2 waits behind K0"
+    );
+    outbox(&db, &["parked", "release", "K"])?;
+    eventually("K's three records handled", WAIT, || async {
+        Ok(effects_of_k(&db.pool).await?.len() >= 3)
+    })
+    .await?;
+    ensure!(effects_of_k(&db.pool).await? == [0, 1, 2], "in order");
     stop.cancel();
     running.await??;
     Ok(())

@@ -437,3 +437,103 @@ async fn the_owner_makes_no_slice_for_a_day_a_consumer_fell_back_on() -> Result<
     }
     roles.drop_all().await
 }
+
+/// `ParkKey` as the documented roles: the consumer parks a key and replays it once released;
+/// the quarantine operator lists the key, releases it and skips a record, audited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_keys_work_as_the_documented_roles() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let roles = Roles::new().await?;
+    let owner = roles.pool(&roles.owner).await?;
+    effects_table(&roles, &owner).await?;
+    let tables = TableNames::default();
+    let failing = Arc::new(AtomicBool::new(true));
+    let fails = failing.clone();
+    let consumer = DedupConsumer::new(
+        roles.pool(&roles.consumer).await?,
+        ConsumerConfig::new("billing")
+            .dedup_ttl(WEEK)
+            .max_attempts(1)
+            .on_handler_failure(outbox_consumer::HandlerFailurePolicy::ParkKey),
+        outbox_consumer::boxed(move |event: &Event<Step>, conn| {
+            let fail = fails.load(Ordering::SeqCst) && event.payload.n == 0;
+            Box::pin(async move {
+                if fail {
+                    return Err(outbox_consumer::HandlerError::retry("not yet"));
+                }
+                record(event, conn).await?;
+                Ok(())
+            })
+        }),
+    )?;
+    let message = |offset: i64, key: &str, n: i64| {
+        let id = EventId::new().to_string();
+        rdkafka::message::OwnedMessage::new(
+            Some(format!(r#"{{"n":{n}}}"#).into_bytes()),
+            Some(key.as_bytes().to_vec()),
+            "t".into(),
+            rdkafka::Timestamp::NotAvailable,
+            0,
+            offset,
+            Some(
+                rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                    key: "id",
+                    value: Some(id.as_bytes()),
+                }),
+            ),
+        )
+    };
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let outcomes = consumer
+        .process_batch(
+            &[message(0, "k", 0), message(1, "k", 1), message(2, "j", 0)],
+            &cancel,
+        )
+        .await?;
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Parked("handler_failed"),
+            Outcome::Parked("key_parked"),
+            Outcome::Parked("handler_failed"),
+        ]
+    );
+
+    let operator = roles.pool(&roles.operator).await?;
+    let mut conn = operator.acquire().await?;
+    let keys = outbox_consumer::parked::list_parked(&mut conn, &tables, 10).await?;
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert_eq!(
+        outbox_consumer::parked::release(&mut conn, &tables, b"k", None).await?,
+        1
+    );
+    let j = keys
+        .iter()
+        .find(|k| k.message_key == b"j")
+        .and_then(|k| k.head_id)
+        .expect("j's head");
+    let note = outbox_core::ActionNote::new().reason("refunded by hand");
+    assert_eq!(
+        outbox_consumer::parked::skip(&mut conn, &tables, j, &note).await?,
+        1
+    );
+    failing.store(false, Ordering::SeqCst);
+    while consumer.replay_released("t", 0, &cancel).await? {}
+    assert_eq!(effects(&owner).await?, (2, 2), "k's two records, once each");
+    let left: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM outbox_consumer_quarantine_parked) \
+              + (SELECT count(*) FROM outbox_consumer_quarantine_parked_keys)",
+    )
+    .fetch_one(&owner)
+    .await?;
+    assert_eq!(left, 0, "both keys unparked");
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_quarantine_audit WHERE action = 'discard' AND $1 = ANY(row_ids)",
+    )
+    .bind(j)
+    .fetch_one(&owner)
+    .await?;
+    assert_eq!(audited, 1);
+    roles.drop_all().await
+}

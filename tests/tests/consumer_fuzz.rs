@@ -1196,3 +1196,239 @@ fn handler_cases_the_fuzz_found_stay_fixed() -> Result<()> {
     }
     Ok(())
 }
+
+/// An event of a `ParkKey` case: its key (one of a few) and how its handler fails.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+struct KeyedPlan {
+    key: u8,
+    plan: Plan,
+}
+
+fn keyed_plan() -> impl Strategy<Value = KeyedPlan> {
+    // A panic, a retry error and a rejection park a key alike; a swallowed failure is the
+    // handler fuzz's to try.
+    let mode = prop_oneof![Just(Mode::Retry), Just(Mode::Reject), Just(Mode::Panic)];
+    let fails = prop_oneof![3 => Just(0), 2 => 0..=HANDLER_ATTEMPTS + 1];
+    (0..3_u8, mode, fails).prop_map(|(key, mode, fails)| KeyedPlan {
+        key,
+        plan: Plan { mode, fails },
+    })
+}
+
+/// Fails each event's first `fails` runs as its plan says; records each run that commits, in
+/// commit order.
+#[derive(Debug, Default)]
+struct KeyedFuzzed {
+    runs: Mutex<HashMap<Uuid, u32>>,
+}
+
+impl outbox_consumer::Handler<KeyedPlan> for KeyedFuzzed {
+    fn handle(
+        &self,
+        event: &Event<KeyedPlan>,
+        conn: &mut PgConnection,
+    ) -> impl Future<Output = Result<(), outbox_consumer::HandlerError>> + Send {
+        let run = {
+            let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+            let n = runs.entry(*event.id.as_uuid()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let plan = event.payload.plan;
+        async move {
+            sqlx::query(
+                "INSERT INTO fuzz_park_effects (topic, key, event_id, \"offset\") \
+                 VALUES ($1, $2, $3, $4)",
+            )
+            .bind(&event.topic)
+            .bind(&event.key)
+            .bind(event.id.as_uuid())
+            .bind(event.offset)
+            .execute(&mut *conn)
+            .await?;
+            if run > plan.fails {
+                return Ok(());
+            }
+            match plan.mode {
+                Mode::Reject => Err(outbox_consumer::HandlerError::quarantine("rejects")),
+                Mode::Panic => panic!("the handler panics in its future, run {run}"),
+                _ => Err(outbox_consumer::HandlerError::retry(format!(
+                    "fails run {run}"
+                ))),
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct ParkCase {
+    events: Vec<KeyedPlan>,
+    batch: bool,
+    /// The order keys are released in, round after round.
+    releases: Vec<u8>,
+}
+
+/// Under `ParkKey`, whatever fails how and whatever is released in which order: each key's
+/// events take effect in offset order, each once, none before the key's first failure is
+/// released, and nothing of another key waits for it.
+async fn park_case(run: Arc<Run>, case: ParkCase) -> Result<()> {
+    let db = &run.db;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS fuzz_park_effects (seq BIGINT GENERATED ALWAYS AS IDENTITY, \
+         topic TEXT, key TEXT, event_id UUID, \"offset\" BIGINT)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let (topic, name) = (unique("fuzz"), unique("c"));
+    let ids: Vec<Uuid> = case.events.iter().map(|_| Uuid::now_v7()).collect();
+    let messages: Vec<OwnedMessage> = (0..)
+        .zip(case.events.iter().zip(&ids))
+        .map(|(offset, (event, id))| {
+            let rec = Rec {
+                key: Some(format!("k{}", event.key).into_bytes()),
+                headers: vec![("id".to_owned(), Some(id.to_string().into_bytes()))],
+                payload: Some(serde_json::to_vec(event).expect("a plan serialises")),
+            };
+            message(&topic, offset, &rec)
+        })
+        .collect();
+    let config = ConsumerConfig::new(&name)
+        .max_attempts(HANDLER_ATTEMPTS)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5))
+        .on_handler_failure(outbox_consumer::HandlerFailurePolicy::ParkKey);
+    let consumer = DedupConsumer::new(db.pool.clone(), config, KeyedFuzzed::default())?;
+    let outcomes = drive(&consumer, &messages, case.batch).await?;
+    // Before any release: each key's events up to its first that fails for good are handled,
+    // that one and the rest parked.
+    let mut parked_keys = BTreeSet::new();
+    for (i, (event, outcome)) in case.events.iter().zip(&outcomes).enumerate() {
+        let parks = parked_keys.contains(&event.key) || !event.plan.handled();
+        if parks {
+            parked_keys.insert(event.key);
+        }
+        ensure!(
+            parks == matches!(outcome, Outcome::Parked(_)) && (parks || *outcome == Outcome::Processed),
+            "offset {i} ({event:?}): outcome {outcome:?}, its key parked before: {parks}"
+        );
+    }
+    // Releases, round after round, until no released key is parked (a plan fails at most
+    // `HANDLER_ATTEMPTS + 1` runs; a rejection costs a release per run).
+    let tables = outbox_core::TableNames::default();
+    let shutdown = CancellationToken::new();
+    let still_parked = |key: u8| {
+        let (pool, name) = (db.pool.clone(), name.clone());
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM outbox_consumer_quarantine_parked_keys \
+                 WHERE consumer = $1 AND message_key = $2",
+            )
+            .bind(&name)
+            .bind(format!("k{key}").into_bytes())
+            .fetch_one(&pool)
+            .await?;
+            anyhow::Ok(n > 0)
+        }
+    };
+    for _ in 0..(case.events.len() * 6) {
+        let mut any = false;
+        for key in &case.releases {
+            any |= still_parked(*key).await?;
+        }
+        if !any {
+            break;
+        }
+        for key in &case.releases {
+            let mut conn = db.pool.acquire().await?;
+            outbox_consumer::parked::release(
+                &mut conn,
+                &tables,
+                format!("k{key}").as_bytes(),
+                Some(&name),
+            )
+            .await?;
+            drop(conn);
+            while tokio::time::timeout(STALL, consumer.replay_released(&topic, 0, &shutdown))
+                .await
+                .context("stall: replay_released")??
+            {}
+        }
+    }
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_consumer_quarantine_parked WHERE consumer = $1",
+    )
+    .bind(&name)
+    .fetch_one(&db.pool)
+    .await?;
+    let released: BTreeSet<u8> = case.releases.iter().copied().collect();
+    let effects: Vec<(String, Uuid, i64)> = sqlx::query_as(
+        "SELECT key, event_id, \"offset\" FROM fuzz_park_effects WHERE topic = $1 ORDER BY seq",
+    )
+    .bind(&topic)
+    .fetch_all(&db.pool)
+    .await?;
+    for key in 0..3_u8 {
+        let name = format!("k{key}");
+        let offsets: Vec<i64> = effects
+            .iter()
+            .filter(|(k, _, _)| *k == name)
+            .map(|(_, _, o)| *o)
+            .collect();
+        let all: Vec<i64> = (0..)
+            .zip(&case.events)
+            .filter(|(_, e)| e.key == key)
+            .map(|(o, _)| o)
+            .collect();
+        if !parked_keys.contains(&key) || released.contains(&key) {
+            ensure!(
+                offsets == all,
+                "key {name}: effects at offsets {offsets:?} in commit order, expected each of \
+                 {all:?} once, in order"
+            );
+        } else {
+            ensure!(
+                all.starts_with(&offsets),
+                "key {name}, never released: effects {offsets:?}, a prefix of {all:?} expected"
+            );
+        }
+    }
+    let distinct: BTreeSet<Uuid> = effects.iter().map(|(_, id, _)| *id).collect();
+    ensure!(distinct.len() == effects.len(), "an effect twice: {effects:?}");
+    let never: i64 = case
+        .events
+        .iter()
+        .zip(0..)
+        .filter(|(e, _)| parked_keys.contains(&e.key) && !released.contains(&e.key))
+        .count()
+        .try_into()?;
+    let expected_left = never
+        - i64::try_from(
+            effects
+                .iter()
+                .filter(|(k, _, _)| {
+                    parked_keys
+                        .iter()
+                        .any(|p| !released.contains(p) && *k == format!("k{p}"))
+                })
+                .count(),
+        )?;
+    ensure!(
+        left == expected_left,
+        "{left} records left parked, expected {expected_left} (of keys never released)"
+    );
+    Ok(())
+}
+
+#[test]
+fn parked_keys_keep_each_keys_order_and_handle_each_event_once() -> Result<()> {
+    let strategy = (
+        proptest::collection::vec(keyed_plan(), 0..10),
+        any::<bool>(),
+        proptest::collection::vec(0..3_u8, 0..4),
+    )
+        .prop_map(|(events, batch, releases)| ParkCase {
+            events,
+            batch,
+            releases,
+        });
+    fuzz(cases("OUTBOX_FUZZ_CASES", 100) / 4, strategy, park_case)
+}

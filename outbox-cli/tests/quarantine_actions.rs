@@ -697,9 +697,12 @@ async fn a_second_migration_set_owned_by_another_role_migrates() -> Result<()> {
         registered,
         [
             ("outbox_consumer_quarantine", "consumer"),
+            // Migration 0016's park, discarded from by `outbox parked skip`.
+            ("outbox_consumer_quarantine_parked", "consumer"),
             ("outbox_events", "relay"),
             ("second_outbox", "relay"),
             ("second_quarantine", "consumer"),
+            ("second_quarantine_parked", "consumer"),
         ]
         .map(|(t, s)| (t.to_owned(), s.to_owned()))
     );

@@ -179,3 +179,89 @@ async fn the_relay_publishes_with_each_codec_and_through_a_zstd_topic_to_the_con
     );
     consume_all(&db, &topics, &expected).await
 }
+
+/// A zstd record of 150 MB of zeros (a few KB on the wire) inflates past librdkafka's
+/// `receive.message.max.bytes` (100 MB): librdkafka cannot decompress its batch, reports an
+/// error instead of records, and never moves its fetch past it. The consumer records its
+/// offset in the quarantine (`bad_compression`, no bytes) and seeks past it; the record after
+/// it is handled. Fails before the fix: the error was logged in a loop, nothing recorded, and
+/// the good record never handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zstd_record_inflating_past_the_limit_is_recorded_and_the_next_one_handled() -> Result<()>
+{
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let topic = random_topic(1).await?;
+    let bomb: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .set("compression.codec", "zstd")
+        .set("message.max.bytes", "200000000")
+        .set("batch.size", "200000000")
+        .create()?;
+    let zeros = vec![b'0'; 150 * 1024 * 1024];
+    let (bad, good) = (EventId::new().to_string(), EventId::new());
+    let id = |id: &str| {
+        OwnedHeaders::new().insert(Header {
+            key: "id",
+            value: Some(id.as_bytes()),
+        })
+    };
+    bomb.send(
+        FutureRecord::to(&topic)
+            .partition(0)
+            .key("k")
+            .payload(&zeros)
+            .headers(id(&bad)),
+        Duration::from_secs(60),
+    )
+    .await
+    .map_err(|(e, _)| e)?;
+    drop(zeros);
+    outbox_tests::produce_raw(
+        &topic,
+        Some(0),
+        Some("k"),
+        Some(br#"{"n":1}"#),
+        &[("id", good.to_string().as_bytes())],
+    )
+    .await?;
+
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(
+        dedup_consume(
+            &consumer_config(&kafka_bootstrap(), &unique("g")),
+            db.pool.clone(),
+            record,
+        )
+        .topics([topic.clone()])
+        .config(ConsumerConfig::new("c1"))
+        .run(shutdown.clone()),
+    );
+    let handled = eventually(
+        "the record after the bomb handled",
+        Duration::from_secs(60),
+        || async {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+                .bind(good.as_uuid())
+                .fetch_one(&db.pool)
+                .await?;
+            Ok(n == 1)
+        },
+    )
+    .await;
+    shutdown.cancel();
+    running.await??;
+    handled?;
+    let rows: Vec<(i64, String, String)> = sqlx::query_as(
+        "SELECT \"offset\", reason, error FROM outbox_consumer_quarantine ORDER BY \"offset\"",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    ensure!(
+        rows.len() == 1 && rows[0].0 == 0 && rows[0].1 == "bad_compression",
+        "the bomb's offset recorded: {rows:?}"
+    );
+    Ok(())
+}

@@ -1307,7 +1307,8 @@ async fn park_case(run: Arc<Run>, case: ParkCase) -> Result<()> {
             parked_keys.insert(event.key);
         }
         ensure!(
-            parks == matches!(outcome, Outcome::Parked(_)) && (parks || *outcome == Outcome::Processed),
+            parks == matches!(outcome, Outcome::Parked(_))
+                && (parks || *outcome == Outcome::Processed),
             "offset {i} ({event:?}): outcome {outcome:?}, its key parked before: {parks}"
         );
     }
@@ -1392,7 +1393,10 @@ async fn park_case(run: Arc<Run>, case: ParkCase) -> Result<()> {
         }
     }
     let distinct: BTreeSet<Uuid> = effects.iter().map(|(_, id, _)| *id).collect();
-    ensure!(distinct.len() == effects.len(), "an effect twice: {effects:?}");
+    ensure!(
+        distinct.len() == effects.len(),
+        "an effect twice: {effects:?}"
+    );
     let never: i64 = case
         .events
         .iter()

@@ -3,7 +3,7 @@
 //! consumer at P4's steady 1,000 msg/s, batched (the default) against one transaction per
 //! message; and of a consumer with its defaults draining a backlog of 1 KB records on 48
 //! partitions, against the same backlog on 4 (its prefetch budget is the member's, whatever
-//! the partition count), and on 1,000 partitions against the idle floor plus the budget.
+//! the partition count).
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -25,10 +25,6 @@ use crate::{Settings, p2_relay, p4_consumer};
 const PARTITIONS: i32 = 4;
 /// The partitions, records and record size of the backlog runs.
 const WIDE: i32 = 48;
-/// The partitions of the widest backlog run.
-const WIDEST: i32 = 1000;
-/// `ConsumerConfig::prefetch_budget_bytes`' default, in MiB.
-const BUDGET_MIB: f64 = 64.0;
 const BACKLOG: usize = 240_000;
 const RECORD_BYTES: usize = 1000;
 
@@ -53,7 +49,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let exe = std::env::current_exe()?;
     let [mut idle, mut relay, mut consumer]: [Sample; 3] = Default::default();
     let [mut steady, mut steady_single]: [Sample; 2] = Default::default();
-    let [mut wide, mut narrow, mut widest, mut floor_and_budget]: [Sample; 4] = Default::default();
+    let [mut wide, mut narrow]: [Sample; 2] = Default::default();
     for round in 0..settings.rounds {
         let topic = random_topic(PARTITIONS).await?;
         p2_relay::fill(&db.pool, &topic, settings.events).await?;
@@ -77,34 +73,32 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         }
         // The backlog runs, in alternating order, each on a topic of its own.
         let order = if round % 2 == 0 {
-            [WIDEST, WIDE, PARTITIONS]
+            [WIDE, PARTITIONS]
         } else {
-            [PARTITIONS, WIDE, WIDEST]
+            [PARTITIONS, WIDE]
         };
         for partitions in order {
             let topic = random_topic(partitions).await?;
             produce_backlog(&topic, partitions).await?;
             let rss = child_rss_mib_of(&exe, settings, Role::Consumer, &db.schema, &topic, BACKLOG)
                 .await?;
-            match partitions {
-                WIDEST => widest.push(rss),
-                WIDE => wide.push(rss),
-                _ => narrow.push(rss),
+            if partitions == WIDE {
+                wide.push(rss);
+            } else {
+                narrow.push(rss);
             }
         }
-        floor_and_budget.push(idle.values[round] + BUDGET_MIB);
         eprintln!(
             "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB; at {RATE}/s: \
              batched {:.1}, per message {:.1} MiB; backlog on {WIDE} partitions {:.1}, on \
-             {PARTITIONS} {:.1}, on {WIDEST} {:.1} MiB",
+             {PARTITIONS} {:.1} MiB",
             idle.values[round],
             relay.values[round],
             consumer.values[round],
             steady.values[round],
             steady_single.values[round],
             wide.values[round],
-            narrow.values[round],
-            widest.values[round]
+            narrow.values[round]
         );
     }
     let per = format!("{} events", settings.events);
@@ -147,18 +141,6 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             format!("same backlog on {PARTITIONS} partitions"),
             narrow,
             None,
-        ),
-        Figure::cost(
-            "MEM",
-            format!(
-                "consumer peak RSS, {WIDEST} partitions, {}k x 1 KB backlog, defaults",
-                BACKLOG / 1000
-            ),
-            "MiB",
-            widest,
-            "idle floor + the 64 MiB prefetch budget",
-            floor_and_budget,
-            Some(1.25),
         ),
     ])
 }

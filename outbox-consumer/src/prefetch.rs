@@ -23,17 +23,9 @@ use tokio::sync::Notify;
 /// partitions hold 3 GiB. A queue over it postpones the partition's next fetch by
 /// `fetch.queue.backoff.ms`, 1 s by default: long enough to starve a partition whose messages
 /// are taken in microseconds.
-///
-/// One fetch of a partition (`max.partition.fetch.bytes`, 1 MiB by default) comes on top of
-/// the budget for each partition that crosses its share with a fetch in flight: 1 GiB over a
-/// 64 MiB budget at 1,000 partitions. 16 KiB keeps that within a quarter of the default budget
-/// at 1,000 partitions; a partition's first record batch comes whole whatever its size (Kafka
-/// returns it past the limit), so nothing stalls, and a fetch covers every partition of a
-/// broker at once, so a busy member still reads its partitions' data in one round trip.
 const LIBRDKAFKA_DEFAULTS: &[(&str, &str)] = &[
     ("queued.max.messages.kbytes", "64"),
     ("fetch.queue.backoff.ms", "10"),
-    ("max.partition.fetch.bytes", "16384"),
 ];
 
 pub(crate) fn librdkafka_defaults(config: &mut ClientConfig) {

@@ -72,11 +72,12 @@ impl Key {
     }
 }
 
-/// A key for people: its text escaped, or its hex when it is not UTF-8.
+/// A key for people, as `release` and `show` take it back: its text when that is printable as
+/// it is, else `hex:<bytes>` (give it as `--key-hex <bytes>`).
 fn shown(key: &[u8]) -> String {
     match std::str::from_utf8(key) {
-        Ok(text) => escape(text).to_string(),
-        Err(_) => format!(
+        Ok(text) if escape(text).to_string() == text => text.to_owned(),
+        _ => format!(
             "hex:{}",
             key.iter().map(|b| format!("{b:02x}")).collect::<String>()
         ),

@@ -32,8 +32,6 @@ pub enum Outcome {
     /// Stored in the quarantine table, with this reason: the record breaks the contract or a
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_header_name`: a header name that is not UTF-8 or has a NUL inside,
-    /// `bad_compression`: librdkafka could not decompress the record batch holding it (the
-    /// row has its position alone);
     /// `forged_requeue`: an `outbox-requeue-for` header naming other consumers, with no
     /// `outbox-requeue-token` naming a requeue recorded for one of them;
     /// `invalid_requeue_header`: an `outbox-requeue-for` header naming no consumer (no value,

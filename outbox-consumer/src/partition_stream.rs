@@ -11,13 +11,12 @@
 //! prefetch each time, which held it to a sixth of its speed).
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use futures::{FutureExt, StreamExt};
 use rdkafka::consumer::stream_consumer::{MessageStream, StreamPartitionQueue};
 use rdkafka::consumer::{Consumer, Rebalance, StreamConsumer};
-use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::error::KafkaResult;
 use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientContext, TopicPartitionList};
 use tokio::sync::mpsc;
@@ -123,53 +122,6 @@ pub(crate) struct Fetched {
     pub(crate) message: OwnedMessage,
     pub(crate) epoch: u64,
     pub(crate) bytes: u64,
-    /// Why the record at this offset cannot be read (its batch could not be decompressed):
-    /// `message` then holds its position alone.
-    pub(crate) unreadable: Option<String>,
-}
-
-/// What librdkafka says of a record batch it cannot decompress: invalid data, a codec it was
-/// built without, or (zstd) more than `receive.message.max.bytes` once inflated. It never
-/// moves past such a batch: its fetch position stays on it, and it fails again on every fetch.
-fn is_unreadable_batch(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::BadCompression | RDKafkaErrorCode::NotImplemented
-    )
-}
-
-/// Moves `topic`/`partition` past the record its fetch is stuck on, a batch librdkafka cannot
-/// decompress, and returns that record's offset. librdkafka's error does not say the offset
-/// (rust-rdkafka keeps only its code), but the fetch is stuck where the application's
-/// position is (just after the last record taken), or, after an earlier skip, where that skip
-/// seeked to; seeking one past it drops the stale errors still queued (their op version is
-/// outdated). A batch of several records is passed one offset per fetch, each recorded; an
-/// offset without a record (a transaction marker) may be recorded too.
-fn skip_unreadable<C: ClientContext + 'static>(
-    consumer: &StreamConsumer<DedupContext<C>>,
-    topic: &str,
-    partition: i32,
-    skipped_to: &AtomicI64,
-) -> i64 {
-    let position = consumer
-        .position()
-        .ok()
-        .and_then(|list| {
-            list.find_partition(topic, partition)
-                .and_then(|element| element.offset().to_raw())
-        })
-        .unwrap_or(-1);
-    let stuck = position.max(skipped_to.load(Ordering::Relaxed)).max(0);
-    skipped_to.store(stuck + 1, Ordering::Relaxed);
-    if let Err(error) = consumer.seek(
-        topic,
-        partition,
-        rdkafka::Offset::Offset(stuck + 1),
-        std::time::Duration::ZERO,
-    ) {
-        tracing::warn!(%error, topic, partition, offset = stuck + 1, "cannot seek past an unreadable record");
-    }
-    stuck
 }
 
 /// Takes `topic`/`partition`'s messages from its own `queue` as they arrive and sends them to
@@ -190,7 +142,6 @@ pub(crate) async fn prefetch<C: ClientContext + 'static>(
     let context = consumer.context();
     let mut stream = queue.stream();
     let mut paused = false;
-    let skipped_to = AtomicI64::new(-1);
     let forward = |taken: Option<KafkaResult<OwnedMessage>>, epoch: u64| match taken {
         Some(Ok(message)) => {
             let bytes = size(&message);
@@ -200,32 +151,6 @@ pub(crate) async fn prefetch<C: ClientContext + 'static>(
                 message,
                 epoch,
                 bytes,
-                unreadable: None,
-            });
-            true
-        }
-        Some(Err(KafkaError::MessageConsumption(code))) if is_unreadable_batch(code) => {
-            let offset = skip_unreadable(consumer, topic, partition, &skipped_to);
-            tracing::error!(topic, partition, offset, error = %code,
-                "a record batch cannot be decompressed; recording the record and moving past it");
-            let position = OwnedMessage::new(
-                None,
-                None,
-                topic.to_owned(),
-                rdkafka::Timestamp::NotAvailable,
-                partition,
-                offset,
-                None,
-            );
-            let _ = fetched.send(Fetched {
-                message: position,
-                epoch,
-                bytes: 0,
-                unreadable: Some(format!(
-                    "librdkafka could not decompress the record batch holding offset {offset} \
-                     ({code}: invalid data, a codec it lacks, or past receive.message.max.bytes \
-                     once inflated); its bytes are not kept"
-                )),
             });
             true
         }

@@ -250,15 +250,6 @@ where
                     },
                 },
             };
-            if let Some(error) = &first.unreadable {
-                if !self
-                    .record_unreadable(consumer, (topic, partition), &first, error, permits, stop)
-                    .await?
-                {
-                    return Ok(());
-                }
-                continue;
-            }
             let epoch = first.epoch;
             if parks_of != Some(epoch) {
                 // Revoked since they were loaded: another member may have parked keys meanwhile
@@ -275,7 +266,7 @@ where
             let mut messages = vec![first.message];
             while messages.len() < config.max_batch_size {
                 match fetched.try_recv() {
-                    Ok(next) if next.epoch == epoch && next.unreadable.is_none() => {
+                    Ok(next) if next.epoch == epoch => {
                         held.bytes += next.bytes;
                         messages.push(next.message);
                     }
@@ -340,52 +331,6 @@ where
                 return Ok(());
             }
         }
-    }
-
-    /// Records a record that cannot be read (`unreadable` says why) in the quarantine, with
-    /// its position alone, and stores its offset, while the partition is owned; retried while
-    /// the database cannot be reached. `Ok(false)`: shutdown came meanwhile.
-    async fn record_unreadable<C: ClientContext + 'static>(
-        &self,
-        consumer: &StreamConsumer<DedupContext<C>>,
-        (topic, partition): (&str, i32),
-        fetched: &Fetched,
-        unreadable: &str,
-        permits: &Semaphore,
-        stop: &CancellationToken,
-    ) -> Result<bool, ConsumerError> {
-        let context = consumer.context();
-        let owned = || context.epoch(topic, partition) == fetched.epoch;
-        let mut turn = Turn::take(permits).await?;
-        let mut failures = 0;
-        while owned() {
-            match self
-                .set_aside(&fetched.message, None, "bad_compression", unreadable)
-                .await
-            {
-                Ok(outcome) => {
-                    crate::consumer::record_metric(&self.inner.name, &outcome);
-                    if owned() {
-                        store_offset(consumer, &fetched.message);
-                    }
-                    return Ok(true);
-                }
-                Err(error) => {
-                    tracing::warn!(error = %outbox_core::escape(&error.to_string()), topic, partition,
-                        "cannot record an unreadable record; retrying");
-                    let delay = outbox_core::backoff(
-                        self.inner.config.backoff_base,
-                        self.inner.config.backoff_max,
-                        failures,
-                    );
-                    if !turn.back_off(delay, stop).await? {
-                        return Ok(false);
-                    }
-                    failures = failures.saturating_add(1);
-                }
-            }
-        }
-        Ok(true)
     }
 
     /// While the partition is owned: loads its parked keys (again after a revocation), and

@@ -319,12 +319,6 @@ async fn requeue_one(
     to_consumer: Option<&str>,
     confirmation: &Confirmation,
 ) -> Result<bool> {
-    // Committed before the copy exists, so that every consumer reading the copy finds it.
-    let token = *outbox_core::EventId::new().as_uuid();
-    if !outbox_consumer::quarantine::record_requeue(conn, tables, id, token, to_consumer).await? {
-        return Ok(false);
-    }
-    let token = token.to_string();
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let Some(r) = outbox_consumer::quarantine::claim(&mut tx, tables, id).await? else {
         return Ok(false);
@@ -332,19 +326,14 @@ async fn requeue_one(
     // For its consumer alone: every group reads the topic, and the others handled the
     // original (their dedup rows for it are pruned in time).
     let target = to_consumer.unwrap_or(&r.consumer);
-    let for_target = OwnedHeaders::new()
-        .insert(Header {
-            key: wire::HEADER_REQUEUE_FOR,
-            value: Some(target),
-        })
-        .insert(Header {
-            key: wire::HEADER_REQUEUE_TOKEN,
-            value: Some(&token),
-        });
+    let for_target = OwnedHeaders::new().insert(Header {
+        key: wire::HEADER_REQUEUE_FOR,
+        value: Some(target),
+    });
     let headers = r
         .record_headers()?
         .iter()
-        .filter(|(key, _)| key != wire::HEADER_REQUEUE_FOR && key != wire::HEADER_REQUEUE_TOKEN)
+        .filter(|(key, _)| key != wire::HEADER_REQUEUE_FOR)
         .fold(for_target, |h, (key, value)| {
             h.insert(Header {
                 key,

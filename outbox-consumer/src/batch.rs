@@ -38,7 +38,7 @@ use uuid::Uuid;
 
 use crate::consumer::bump;
 use crate::decode::{self, Rejected};
-use crate::dedup_transaction::{check_open, left_open, run_handler};
+use crate::dedup_transaction::{acquire_clean, check_open, left_open, run_handler};
 use crate::failure::{
     AttemptError, handler_sql_error, is_connection_lost, is_inherited, is_outage, is_unavailable,
 };
@@ -53,8 +53,6 @@ pub(crate) enum Item<P> {
     Cached,
     /// A requeued copy for another consumer (`requeue.rs`).
     NotForUs,
-    /// Says it is a requeued copy for another consumer: not yet checked (`requeue.rs`).
-    Copy(crate::requeue::Copy),
     Event(Event<P>),
     /// Behind its parked key (`park.rs`).
     Parked,
@@ -109,7 +107,6 @@ where
         let started = std::time::Instant::now();
         self.inner.know_session().await?;
         let mut items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
-        self.check_copies(messages, &mut items).await?;
         if let Some(first) = messages.first() {
             self.load_parks(first.topic(), first.partition()).await?;
             self.mark_parked(messages, &mut items, 0);
@@ -213,53 +210,6 @@ where
         outcomes
     }
 
-    /// Turns the copies for other consumers among `items` into [`Item::NotForUs`] when their
-    /// requeue is recorded, into a record to quarantine (`forged_requeue`) otherwise: one
-    /// statement when there are any.
-    pub(crate) async fn check_copies(
-        &self,
-        messages: &[OwnedMessage],
-        items: &mut [Item<P>],
-    ) -> Result<(), ConsumerError> {
-        let tokens: Vec<Uuid> = items
-            .iter()
-            .filter_map(|item| match item {
-                Item::Copy(copy) => copy.token,
-                _ => None,
-            })
-            .collect();
-        if !items.iter().any(|i| matches!(i, Item::Copy(_))) {
-            return Ok(());
-        }
-        let inner = &*self.inner;
-        let recorded: std::collections::HashMap<Uuid, String> = if tokens.is_empty() {
-            std::collections::HashMap::new()
-        } else {
-            sqlx::query_as(inner.sql().recorded_requeues.clone())
-                .bind(&tokens)
-                .fetch_all(&inner.pool)
-                .await?
-                .into_iter()
-                .collect()
-        };
-        for (message, item) in messages.iter().zip(items.iter_mut()) {
-            let Item::Copy(copy) = item else {
-                continue;
-            };
-            *item = if copy.is_recorded(&recorded) {
-                copy.skipped(&inner.name, message);
-                Item::NotForUs
-            } else {
-                Item::Rejected(Rejected {
-                    reason: "forged_requeue",
-                    error: copy.forged(),
-                    event_id: None,
-                })
-            };
-        }
-        Ok(())
-    }
-
     /// Marks the items from `from` on whose key is parked, or is parked by a record before
     /// them that breaks the contract (it parks its key when set aside): they are parked
     /// behind it, in order. Rolled back with their batch, they are marked the same again.
@@ -302,8 +252,8 @@ where
         let inner = &*self.inner;
         // Read once: the requeue check and the decoder look at the same headers.
         let read = crate::headers::read(message);
-        if let Some(copy) = crate::requeue::for_another(&inner.name, &read) {
-            return Item::Copy(copy);
+        if crate::requeue::for_another(&inner.name, message, &read) {
+            return Item::NotForUs;
         }
         match decode::decode(&inner.config, message, &read) {
             Err(rejected) => Item::Rejected(rejected),
@@ -332,11 +282,6 @@ where
         match item {
             Item::Cached => Ok(Outcome::DuplicateCached),
             Item::NotForUs => Ok(Outcome::NotForUs),
-            // Checked before (`check_copies`); were one not, it must not be skipped unchecked.
-            Item::Copy(copy) => {
-                self.set_aside(message, None, "forged_requeue", &copy.forged())
-                    .await
-            }
             Item::Rejected(Rejected {
                 reason,
                 error,
@@ -382,7 +327,7 @@ where
         if ids.is_empty()
             && !items
                 .iter()
-                .any(|i| matches!(i, Item::Rejected(_) | Item::Parked | Item::Copy(_)))
+                .any(|i| matches!(i, Item::Rejected(_) | Item::Parked))
         {
             let skipped = |i: &Item<P>| match i {
                 Item::NotForUs => Outcome::NotForUs,
@@ -396,9 +341,7 @@ where
             .ensure_slices(slices.iter().copied())
             .await
             .map_err(BatchFailure::Unavailable)?;
-        let mut conn = inner
-            .pool
-            .acquire()
+        let mut conn = acquire_clean(&inner.pool)
             .await
             .map_err(BatchFailure::from_statement)?;
         let mut tx = sqlx::Connection::begin(&mut *conn)
@@ -472,8 +415,11 @@ where
             Ok(outcomes) => outcomes,
             Err(failure) => {
                 // Dropping the transaction would roll it back too, but later: the connection
-                // goes back to the pool clean, or the outage is known now.
-                if let Err(error) = tx.rollback().await
+                // goes back to the pool clean (or closed, if a handler left a transaction of
+                // its own open: `left_open`), or the outage is known now.
+                let rolled_back = tx.rollback().await;
+                left_open(&mut conn);
+                if let Err(error) = rolled_back
                     && is_outage(&inner.pool, &error).await
                 {
                     return Err(BatchFailure::Unavailable(error));
@@ -587,14 +533,6 @@ where
                 Item::Cached => Outcome::DuplicateCached,
                 Item::NotForUs => Outcome::NotForUs,
                 Item::Rejected(rejected) => self.record_rejected(tx, message, rejected).await?,
-                Item::Copy(copy) => {
-                    let forged = Rejected {
-                        reason: "forged_requeue",
-                        error: copy.forged(),
-                        event_id: None,
-                    };
-                    self.record_rejected(tx, message, &forged).await?
-                }
                 Item::Parked => self.record_parked(tx, message).await?,
                 Item::Event(event)
                     if new.contains(event.id.as_uuid()) && handled.insert(*event.id.as_uuid()) =>
@@ -713,15 +651,6 @@ where
                 }
                 (Item::Parked, Outcome::Parked(reason)) => {
                     self.set(Aside::Park { head: false }, message, reason, "");
-                }
-                (Item::Copy(copy), outcome) => {
-                    let aside = match outcome {
-                        Outcome::Parked(_) => Aside::Park { head: true },
-                        _ => Aside::Quarantine,
-                    };
-                    if let Outcome::Parked(reason) | Outcome::Quarantined(reason) = outcome {
-                        self.set(aside, message, reason, &copy.forged());
-                    }
                 }
                 (Item::Rejected(_) | Item::Parked | Item::Cached | Item::NotForUs, _) => {}
             }

@@ -32,8 +32,6 @@ pub enum Outcome {
     /// Stored in the quarantine table, with this reason: the record breaks the contract or a
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_header_name`: a header name that is not UTF-8 or has a NUL inside,
-    /// `forged_requeue`: an `outbox-requeue-for` header naming other consumers, with no
-    /// `outbox-requeue-token` naming a requeue recorded for one of them;
     /// `invalid_requeue_header`: an `outbox-requeue-for` header naming no consumer (no value,
     /// an empty one, or one that is not UTF-8),
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
@@ -222,25 +220,29 @@ impl<P, H> Inner<P, H> {
             .map(|session| session.search_path.as_str())
     }
 
-    /// Learns [`Session`] once: where the dedup table is, and the `search_path` that found it.
+    /// Learns [`Session`] once: where the dedup and quarantine tables are, and the
+    /// `search_path` that found them.
     /// `Err` when the database cannot be reached; a missing table leaves it unknown (the
     /// statements then fail, saying so).
     pub(crate) async fn know_session(&self) -> Result<(), sqlx::Error> {
         if self.session.get().is_some() {
             return Ok(());
         }
-        let found: Option<(String, String)> = sqlx::query_as(
-            "SELECT pg_catalog.current_setting('search_path'), n.nspname::text \
-             FROM pg_catalog.pg_class c \
+        let schema_of = "(SELECT n.nspname::text FROM pg_catalog.pg_class c \
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-             WHERE c.oid = pg_catalog.to_regclass($1)",
-        )
-        .bind(self.config.tables.consumer_dedup.as_str())
-        .fetch_optional(&self.pool)
-        .await?;
-        if let Some((search_path, schema)) = found {
+             WHERE c.oid = pg_catalog.to_regclass";
+        let found: (String, Option<String>, Option<String>) =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT pg_catalog.current_setting('search_path'), {schema_of}($1)), \
+                        {schema_of}($2))"
+            )))
+            .bind(self.config.tables.consumer_dedup.as_str())
+            .bind(self.config.tables.consumer_quarantine.as_str())
+            .fetch_one(&self.pool)
+            .await?;
+        if let (search_path, Some(dedup), Some(quarantine)) = found {
             let _ = self.session.set(Session {
-                sql: ConsumerSql::new(&self.config.tables, Some(&schema)),
+                sql: ConsumerSql::new(&self.config.tables, Some((&dedup, &quarantine))),
                 search_path,
             });
         }

@@ -124,7 +124,7 @@ where
             .ensure_slices([slice])
             .await
             .map_err(AttemptError::Unavailable)?;
-        let mut conn = inner.pool.acquire().await.map_err(statement)?;
+        let mut conn = acquire_clean(&inner.pool).await.map_err(statement)?;
         let mut tx = sqlx::Connection::begin(&mut *conn)
             .await
             .map_err(statement)?;
@@ -174,7 +174,9 @@ where
             Ok(()) => check_open(inner, &mut tx, id, slice, Some(began)).await,
         };
         if let Err(failure) = verdict {
-            if let Err(error) = tx.rollback().await
+            let rolled_back = tx.rollback().await;
+            left_open(&mut conn);
+            if let Err(error) = rolled_back
                 && is_outage(&inner.pool, &error).await
             {
                 return Err(AttemptError::Unavailable(error));
@@ -220,6 +222,22 @@ pub(crate) fn left_open(conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>) -
         "a handler left a transaction open; nothing it ran was committed, and its connection is closed"
     );
     true
+}
+
+/// A connection of `pool` that is in no transaction. One in a transaction was left so by a
+/// handler that leaked one and then failed (its rollback undid only the leaked savepoint) or
+/// by the application's own code: begun on it, the consumer's transaction would be a savepoint
+/// of that one, and everything it did would roll back when the connection closes. Such a
+/// connection is closed, and another taken.
+pub(crate) async fn acquire_clean(
+    pool: &sqlx::PgPool,
+) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error> {
+    loop {
+        let mut conn = pool.acquire().await?;
+        if !left_open(&mut conn) {
+            return Ok(conn);
+        }
+    }
 }
 
 /// Runs `handler` on `conn`. A panicking handler is a failing handler: it must not take the

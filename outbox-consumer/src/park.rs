@@ -264,10 +264,7 @@ where
                         "a parked record whose header name is not UTF-8 cannot be replayed; skip it");
                     break;
                 };
-                let mut item = [self.decode_item(&message)];
-                self.check_copies(std::slice::from_ref(&message), &mut item)
-                    .await?;
-                let [item] = item;
+                let item = self.decode_item(&message);
                 bump(&inner.counters.replayed);
                 match self
                     .alone(&message, &item, shutdown, turn, owned, None)

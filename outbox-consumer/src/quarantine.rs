@@ -370,34 +370,6 @@ pub async fn claim(
     Ok(quarantine(tables).lock(conn, &[id]).await?.pop())
 }
 
-/// Records requeue `token` of quarantined message `id`, for `to_consumer` (the consumer that
-/// quarantined it when `None`), and commits it unless the caller's transaction holds it:
-/// record it before publishing the copy (with header `outbox-requeue-token`), so that the
-/// other consumers find it and skip the copy rather than quarantine it as forged. `false`:
-/// the message is gone.
-pub async fn record_requeue(
-    conn: &mut PgConnection,
-    tables: &TableNames,
-    id: i64,
-    token: Uuid,
-    to_consumer: Option<&str>,
-) -> Result<bool, ConsumerError> {
-    let sql = format!(
-        "INSERT INTO {} (token, for_consumer) SELECT $1, coalesce($2, consumer) FROM {} \
-         WHERE id = $3",
-        tables.consumer_quarantine.suffixed(crate::sql::REQUEUES),
-        tables.consumer_quarantine
-    );
-    let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(token)
-        .bind(to_consumer)
-        .bind(id)
-        .execute(conn)
-        .await?
-        .rows_affected();
-    Ok(inserted == 1)
-}
-
 /// Deletes quarantined messages once copies of them were published again (the broker
 /// acknowledged them), recorded in `outbox_quarantine_audit` as a requeue (with `note`: where
 /// the copies went), in one statement. Returns how many there were; checked as [`discard`].

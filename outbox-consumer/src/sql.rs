@@ -7,9 +7,6 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 /// transaction may hold at most, whatever its batch size, so that a replay of old events by
 /// many partitions at once stays within Postgres's lock table (`max_locks_per_transaction`,
 /// 64 by default, per connection). Ids that share a lock only wait for each other.
-/// Suffix of the requeues' table (after the quarantine's; migration 0016).
-pub(crate) const REQUEUES: &str = "_requeues";
-
 pub(crate) const LATE_ID_LOCKS: u32 = 64;
 
 #[derive(Debug, Clone)]
@@ -56,8 +53,6 @@ pub(crate) struct ConsumerSql {
     pub(crate) released_keys: SqlStr,
     /// The first record parked under `$1`, `$2`, `$3`, key `$4`.
     pub(crate) parked_head: SqlStr,
-    /// The requeues of tokens `$1` recorded (`requeue.rs`): token, the consumer it is for.
-    pub(crate) recorded_requeues: SqlStr,
     /// Parked record `$1` cannot be replayed: says so in its error, and clears the release of
     /// its key (`$2`..`$5` as `unpark_key`'s `$1`..`$4`).
     pub(crate) unreplayable: SqlStr,
@@ -68,20 +63,30 @@ pub(crate) struct ConsumerSql {
 }
 
 impl ConsumerSql {
-    /// The statements on `tables`, qualified by `schema` when given (see
+    /// The statements on `tables`, the dedup table's (and its gate's) qualified by
+    /// `schemas.0` and the quarantine's (and its park's) by `schemas.1` when given (see
     /// [`crate::consumer::Session`]).
-    pub(crate) fn new(tables: &TableNames, schema: Option<&str>) -> Self {
-        let qualified = |table: &outbox_core::Ident| match schema {
+    pub(crate) fn new(tables: &TableNames, schemas: Option<(&str, &str)>) -> Self {
+        let qualified = |schema: Option<&str>, table: &outbox_core::Ident| match schema {
             Some(schema) => format!("\"{}\".{table}", schema.replace('"', "\"\"")),
             None => table.to_string(),
         };
+        let (dedup_schema, quarantine_schema) = (schemas.map(|s| s.0), schemas.map(|s| s.1));
         let (dedup_table, quarantine_table) = (&tables.consumer_dedup, &tables.consumer_quarantine);
         // Migration 0016's tables, named after the quarantine as the gate is after the dedup
         // table.
-        let parked = qualified(&quarantine_table.suffixed(crate::parked::PARKED));
-        let keys = qualified(&quarantine_table.suffixed(crate::parked::PARKED_KEYS));
-        let requeues = qualified(&quarantine_table.suffixed(REQUEUES));
-        let (dedup, quarantine) = (qualified(dedup_table), qualified(quarantine_table));
+        let parked = qualified(
+            quarantine_schema,
+            &quarantine_table.suffixed(crate::parked::PARKED),
+        );
+        let keys = qualified(
+            quarantine_schema,
+            &quarantine_table.suffixed(crate::parked::PARKED_KEYS),
+        );
+        let (dedup, quarantine) = (
+            qualified(dedup_schema, dedup_table),
+            qualified(quarantine_schema, quarantine_table),
+        );
         let store = |table: &str, on_conflict: &str| {
             format!(
                 "INSERT INTO {table} \
@@ -102,7 +107,7 @@ impl ConsumerSql {
         // Migration 0015's gate: a row per transaction that records ids, whose deferred check
         // fails any COMMIT but the consumer's own (`holds_dedup_row` allows it).
         // An `Ident` is lowercase letters, digits and '_': the suffixed name stays one.
-        let gate = qualified(&dedup_table.suffixed("_gate"));
+        let gate = qualified(dedup_schema, &dedup_table.suffixed("_gate"));
         let with_gate = |insert: String| {
             format!(
                 "WITH ins AS ({insert} RETURNING event_id), \
@@ -194,10 +199,6 @@ impl ConsumerSql {
                 "SELECT {} FROM {parked} WHERE {position} AND message_key = $4 \
                  ORDER BY \"offset\", id LIMIT 1",
                 crate::quarantine::COLUMNS.all
-            ))
-            .into_sql_str(),
-            recorded_requeues: AssertSqlSafe(format!(
-                "SELECT token, for_consumer FROM {requeues} WHERE token = ANY($1)"
             ))
             .into_sql_str(),
             unreplayable: AssertSqlSafe(format!(

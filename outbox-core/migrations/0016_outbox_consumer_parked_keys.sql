@@ -53,16 +53,6 @@ CREATE TABLE outbox_consumer_quarantine_parked_keys (
     PRIMARY KEY (consumer, topic, partition, message_key)
 );
 
--- `outbox quarantine requeue` records each copy it publishes for one consumer here, and commits
--- it before publishing: another consumer skips a copy (header `outbox-requeue-for`) only when
--- its `outbox-requeue-token` header names a requeue recorded for the consumer it names, so that
--- a record forged with the header is quarantined, not skipped by all.
-CREATE TABLE outbox_consumer_quarantine_requeues (
-    token        UUID        PRIMARY KEY,
-    for_consumer TEXT        NOT NULL,
-    requeued_at  TIMESTAMPTZ NOT NULL DEFAULT now()
-);
-
 -- `outbox parked skip` discards a parked record through the quarantine machinery: checked
 -- against this registry and recorded in `outbox_quarantine_audit`.
 INSERT INTO outbox_quarantine_tables (table_oid, side, nspname, relname)

@@ -56,8 +56,6 @@ GRANT INSERT, SELECT (consumer, topic, partition, "offset", record_digest)
 -- released key, and deletes what it replayed.
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_consumer_quarantine_parked,
     outbox_consumer_quarantine_parked_keys TO outbox_dedup_consumer;
--- Checks that a copy for another consumer is a requeue an operator made (`requeue.rs`).
-GRANT SELECT ON outbox_consumer_quarantine_requeues TO outbox_dedup_consumer;
 
 -- `outbox status`: reads only.
 GRANT SELECT ON outbox_events, outbox_consumer_dedup, outbox_consumer_quarantine,
@@ -88,5 +86,3 @@ GRANT SELECT ON outbox_consumer_quarantine_parked, outbox_consumer_quarantine_pa
 GRANT UPDATE (release_requested_at) ON outbox_consumer_quarantine_parked_keys
     TO outbox_quarantine_operator;
 GRANT DELETE ON outbox_consumer_quarantine_parked TO outbox_quarantine_operator;
--- A consumer requeue records its copy's token before publishing it.
-GRANT INSERT ON outbox_consumer_quarantine_requeues TO outbox_quarantine_operator;

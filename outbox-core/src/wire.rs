@@ -38,17 +38,7 @@ pub const HEADER_TYPE: &str = "type";
 /// skipped by all, and its quarantine row is gone: when the consumer was renamed since it
 /// quarantined the message, requeue with `--to-consumer <its new name>`. Producers of events
 /// never set this header.
-///
-/// Anyone who may produce to the topic could set it, and make every other consumer skip a
-/// record: a consumer skips a copy only when its [`HEADER_REQUEUE_TOKEN`] names a requeue
-/// recorded in the database for the consumer the copy names. Any other record carrying this
-/// header for another consumer is quarantined (`forged_requeue`).
 pub const HEADER_REQUEUE_FOR: &str = "outbox-requeue-for";
-
-/// Header of a requeued copy: the UUID of the requeue, which `outbox quarantine requeue`
-/// records (table `<quarantine>_requeues`, migration 0016, with the consumer it is for) and
-/// commits before publishing the copy.
-pub const HEADER_REQUEUE_TOKEN: &str = "outbox-requeue-token";
 
 /// Prefix of the default topic, followed by the aggregate type.
 pub const DEFAULT_TOPIC_PREFIX: &str = "outbox.event.";
@@ -85,12 +75,7 @@ pub fn is_dispatch_topic(topic: &str) -> bool {
 }
 
 /// Header names the contract owns; applications may not set them.
-pub const RESERVED_HEADERS: &[&str] = &[
-    HEADER_ID,
-    HEADER_TYPE,
-    HEADER_REQUEUE_FOR,
-    HEADER_REQUEUE_TOKEN,
-];
+pub const RESERVED_HEADERS: &[&str] = &[HEADER_ID, HEADER_TYPE, HEADER_REQUEUE_FOR];
 
 /// The topic Debezium's router would pick for `aggregate_type`.
 pub fn default_topic(aggregate_type: &str) -> String {

@@ -72,6 +72,8 @@ enum Care {
     Fail,
     /// Begins a transaction of its own (a savepoint) and forgets it: sqlx still counts it.
     LeakTransaction,
+    /// The same, then fails.
+    LeakThenFail,
     /// Sets the session's `search_path` elsewhere (schema-per-tenant code does) and leaves it.
     SetSearchPath,
 }
@@ -164,6 +166,11 @@ impl Handler<Step> for Careless {
                 Care::LeakTransaction => {
                     let nested = sqlx::Connection::begin(&mut *conn).await?;
                     std::mem::forget(nested);
+                }
+                Care::LeakThenFail => {
+                    let nested = sqlx::Connection::begin(&mut *conn).await?;
+                    std::mem::forget(nested);
+                    return Err(HandlerError::retry("careless handler failed"));
                 }
                 Care::SetSearchPath => {
                     sqlx::query("SET search_path TO public")
@@ -1033,5 +1040,20 @@ async fn a_handler_that_sets_the_search_path_changes_nothing_for_the_consumer() 
         path, db.schema,
         "the session's path is the consumer's again"
     );
+    Ok(())
+}
+
+/// A handler that leaks a transaction and then fails: its rollback undoes only the leaked
+/// savepoint, and the connection would go back to the pool inside the consumer's transaction.
+/// Fails before the fix: on a one-connection pool the next attempt began a savepoint of that
+/// transaction, found its own uncommitted dedup row and counted the message a duplicate, and
+/// the messages after it were blamed for the check that failed in the wrong transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_leaks_a_transaction_and_fails_poisons_no_connection() -> Result<()> {
+    let db = TestDb::new().await?;
+    tables(&db.pool).await?;
+    let pool = pool_of(&db, &[], 1).await?;
+    let handler = Careless::new(&[(2, Care::LeakThenFail)]);
+    run_batch(&db, pool, 5, handler, &[(2, "handler_failed")]).await?;
     Ok(())
 }

@@ -46,6 +46,16 @@ pub enum ConsumerError {
         /// The first message parked under its key.
         head: i64,
     },
+    /// `parked::skip` was given a parked message whose key's release is under way: its
+    /// consumer may be running that message's handler. Skip it if the release parks the key
+    /// again.
+    #[error(
+        "parked message {id}: its key's release is under way; skip it if the release parks the key again"
+    )]
+    ParkedKeyReleasing {
+        /// The message given.
+        id: i64,
+    },
     /// The consumer configuration is not usable.
     #[error("invalid consumer configuration: {0}")]
     Config(String),

@@ -119,7 +119,8 @@ pub async fn release(
 /// `outbox_quarantine_audit` as a discard (with `note`), and asks for the release of its key,
 /// so that the records behind it are replayed: all in one transaction. Returns how many
 /// records it dropped (0: `id` is gone). A record behind another of its key is refused
-/// ([`ConsumerError::NotParkedHead`]).
+/// ([`ConsumerError::NotParkedHead`]), as is one whose key's release is under way
+/// ([`ConsumerError::ParkedKeyReleasing`]: its consumer may be running that record's handler).
 pub async fn skip(
     conn: &mut PgConnection,
     tables: &TableNames,
@@ -128,19 +129,26 @@ pub async fn skip(
 ) -> Result<u64, ConsumerError> {
     let (keys, parked) = (table(tables, PARKED_KEYS), table(tables, PARKED));
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let head: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+    // The key's row, locked: a release asked for now waits for this skip, and one asked for
+    // before is being replayed (the consumer may be running this very record's handler).
+    let found: Option<(Option<i64>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT (SELECT h.id FROM {parked} h WHERE h.consumer = p.consumer AND h.topic = p.topic \
                  AND h.partition = p.partition AND h.message_key = p.message_key \
-                 ORDER BY h.\"offset\", h.id LIMIT 1) \
-         FROM {parked} p WHERE p.id = $1"
+                 ORDER BY h.\"offset\", h.id LIMIT 1), \
+                k.release_requested_at IS NOT NULL \
+         FROM {parked} p JOIN {keys} k ON k.consumer = p.consumer AND k.topic = p.topic \
+              AND k.partition = p.partition AND k.message_key = p.message_key \
+         WHERE p.id = $1 FOR UPDATE OF k"
     )))
     .bind(id)
     .fetch_optional(&mut *tx)
-    .await?
-    .flatten();
-    match head {
-        None => return Ok(0),
-        Some(head) if head != id => return Err(ConsumerError::NotParkedHead { id, head }),
+    .await?;
+    match found {
+        None | Some((None, _)) => return Ok(0),
+        Some((_, true)) => return Err(ConsumerError::ParkedKeyReleasing { id }),
+        Some((Some(head), false)) if head != id => {
+            return Err(ConsumerError::NotParkedHead { id, head });
+        }
         Some(_) => {}
     }
     let sql = format!(

@@ -508,6 +508,21 @@ async fn parked_keys_work_as_the_documented_roles() -> Result<()> {
         outbox_consumer::parked::release(&mut conn, &tables, b"k", None).await?,
         1
     );
+    // A record whose key is being released is not skipped: its consumer may be running it.
+    let k = keys
+        .iter()
+        .find(|k| k.message_key == b"k")
+        .and_then(|k| k.head_id)
+        .expect("k's head");
+    let skipped =
+        outbox_consumer::parked::skip(&mut conn, &tables, k, &outbox_core::ActionNote::new()).await;
+    assert!(
+        matches!(
+            skipped,
+            Err(outbox_consumer::ConsumerError::ParkedKeyReleasing { .. })
+        ),
+        "{skipped:?}"
+    );
     let j = keys
         .iter()
         .find(|k| k.message_key == b"j")

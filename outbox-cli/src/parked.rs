@@ -11,7 +11,9 @@ use crate::print;
 #[derive(Debug, Subcommand)]
 pub(crate) enum Action {
     /// List the parked keys, oldest first: consumer, topic/partition, key, records parked,
-    /// the head's id, offset and reason, and whether a release is pending.
+    /// the head's id, offset and reason, and whether a release is pending; then the outbox's
+    /// keys whose pending rows wait behind a quarantined row (the relay's and dispatcher's
+    /// `BlockKey`), with the row to requeue or discard.
     List {
         #[arg(long, default_value_t = 50)]
         limit: u32,
@@ -92,8 +94,11 @@ pub(crate) async fn run(
     match action {
         Action::List { limit, json } => {
             let keys = outbox_consumer::parked::list_parked(conn, tables, i64::from(limit)).await?;
+            let held =
+                outbox_producer::quarantine::held_keys(conn, tables, i64::from(limit)).await?;
             if json {
-                println!("{}", print::json(&keys, false)?);
+                let both = serde_json::json!({ "consumer": keys, "outbox": held });
+                println!("{}", print::json(&both, false)?);
                 return Ok(());
             }
             for k in &keys {
@@ -115,7 +120,18 @@ pub(crate) async fn run(
                     escape(k.head_error.as_deref().unwrap_or("")),
                 );
             }
-            if keys.is_empty() {
+            for h in &held {
+                println!(
+                    "outbox\t{}\tkey={}\tpending behind={}\tquarantined seq {}: {}\t(requeue or discard it: outbox quarantine requeue|discard relay {})",
+                    escape(&h.topic),
+                    escape(&h.aggregateid),
+                    h.pending_behind,
+                    h.quarantined_seq,
+                    escape(h.last_error.as_deref().unwrap_or("")),
+                    h.quarantined_seq,
+                );
+            }
+            if keys.is_empty() && held.is_empty() {
                 println!("no key is parked");
             }
         }

@@ -404,3 +404,38 @@ async fn a_key_parked_stays_parked_after_a_switch_to_another_policy() -> Result<
     running.await??;
     Ok(())
 }
+
+/// `outbox parked list` also shows the outbox's keys whose pending rows wait behind a
+/// quarantined row (the relay's and the dispatcher's `BlockKey`), with the row that releases
+/// them; a key with nothing behind its quarantined row, or nothing quarantined, is not listed.
+#[tokio::test]
+async fn parked_list_shows_outbox_keys_held_behind_a_quarantined_row() -> Result<()> {
+    let db = TestDb::new().await?;
+    sqlx::raw_sql(
+        "INSERT INTO outbox_events (id, aggregatetype, aggregateid, type, payload, topic, \
+                                    status, last_error) \
+         SELECT gen_random_uuid(), 'agent', k, 'T', '{}', 'dispatch:billing', s, e \
+         FROM (VALUES ('a1', 'quarantined', 'rejected: 422'), ('a1', 'pending', NULL), \
+                      ('a1', 'pending', NULL), ('a2', 'pending', NULL), \
+                      ('a3', 'quarantined', 'rejected: 400')) AS v (k, s, e)",
+    )
+    .execute(&db.pool)
+    .await?;
+    let listed = outbox(&db, &["parked", "list"])?;
+    ensure!(
+        listed.contains("key=a1\tpending behind=2") && listed.contains("rejected: 422"),
+        "{listed}"
+    );
+    ensure!(
+        !listed.contains("key=a2") && !listed.contains("key=a3"),
+        "{listed}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&outbox(&db, &["parked", "list", "--json"])?)?;
+    ensure!(json["outbox"].as_array().map(Vec::len) == Some(1), "{json}");
+    ensure!(
+        json["consumer"].as_array().map(Vec::len) == Some(0),
+        "{json}"
+    );
+    Ok(())
+}

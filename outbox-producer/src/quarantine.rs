@@ -105,3 +105,46 @@ pub async fn discard(
 ) -> Result<u64, ProducerError> {
     Ok(quarantine(tables).discard(conn, seqs, note).await?)
 }
+
+/// A key of the outbox whose pending rows wait behind a quarantined one: under `BlockKey`
+/// (the relay's option, the dispatcher's default) they stay there until the quarantined row
+/// is requeued or discarded; under `SkipQuarantined` the relay publishes them past it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow, serde::Serialize)]
+#[non_exhaustive]
+pub struct HeldKey {
+    /// Where its rows go (`dispatch:<destination>` for a dispatcher's actions).
+    pub topic: String,
+    /// The key.
+    pub aggregateid: String,
+    /// The first quarantined row of the key: what `requeue` or `discard` takes.
+    pub quarantined_seq: i64,
+    /// Why it is quarantined.
+    pub last_error: Option<String>,
+    /// Pending rows of the key after it.
+    pub pending_behind: i64,
+}
+
+/// The keys with pending rows behind a quarantined row, the oldest quarantine first, at most
+/// `limit`.
+pub async fn held_keys(
+    conn: &mut PgConnection,
+    tables: &TableNames,
+    limit: i64,
+) -> Result<Vec<HeldKey>, ProducerError> {
+    let t = &tables.outbox;
+    // Through the partial index on unpublished rows (aggregateid, seq).
+    let sql = format!(
+        "SELECT q.topic, q.aggregateid, q.seq AS quarantined_seq, q.last_error, \
+                (SELECT count(*) FROM {t} p WHERE p.aggregateid = q.aggregateid \
+                   AND p.status = 'pending' AND p.seq > q.seq) AS pending_behind \
+         FROM (SELECT DISTINCT ON (aggregateid) topic, aggregateid, seq, last_error \
+               FROM {t} WHERE status = 'quarantined' ORDER BY aggregateid, seq) q \
+         WHERE EXISTS (SELECT FROM {t} p WHERE p.aggregateid = q.aggregateid \
+                       AND p.status = 'pending' AND p.seq > q.seq) \
+         ORDER BY q.seq LIMIT $1"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(limit)
+        .fetch_all(conn)
+        .await?)
+}

@@ -3,7 +3,8 @@
 //! consumer at P4's steady 1,000 msg/s, batched (the default) against one transaction per
 //! message; and of a consumer with its defaults draining a backlog of 1 KB records on 48
 //! partitions, against the same backlog on 4 (its prefetch budget is the member's, whatever
-//! the partition count).
+//! the partition count); and with its defaults on 1,000 partitions holding 64 records of 1 KB
+//! each (a backlog the size of the budget), against the idle floor plus the budget.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -25,6 +26,11 @@ use crate::{Settings, p2_relay, p4_consumer};
 const PARTITIONS: i32 = 4;
 /// The partitions, records and record size of the backlog runs.
 const WIDE: i32 = 48;
+/// The partitions of the widest backlog run, and the records each holds.
+const WIDEST: i32 = 1000;
+const WIDEST_PER_PARTITION: usize = 64;
+/// `ConsumerConfig::prefetch_budget_bytes`' default, in MiB.
+const BUDGET_MIB: f64 = 64.0;
 const BACKLOG: usize = 240_000;
 const RECORD_BYTES: usize = 1000;
 
@@ -49,7 +55,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
     let exe = std::env::current_exe()?;
     let [mut idle, mut relay, mut consumer]: [Sample; 3] = Default::default();
     let [mut steady, mut steady_single]: [Sample; 2] = Default::default();
-    let [mut wide, mut narrow]: [Sample; 2] = Default::default();
+    let [mut wide, mut narrow, mut widest, mut floor_and_budget]: [Sample; 4] = Default::default();
     for round in 0..settings.rounds {
         let topic = random_topic(PARTITIONS).await?;
         p2_relay::fill(&db.pool, &topic, settings.events).await?;
@@ -79,7 +85,7 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
         };
         for partitions in order {
             let topic = random_topic(partitions).await?;
-            produce_backlog(&topic, partitions).await?;
+            produce_backlog(&topic, partitions, BACKLOG).await?;
             let rss = child_rss_mib_of(&exe, settings, Role::Consumer, &db.schema, &topic, BACKLOG)
                 .await?;
             if partitions == WIDE {
@@ -88,17 +94,26 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
                 narrow.push(rss);
             }
         }
+        let records = WIDEST as usize * WIDEST_PER_PARTITION;
+        let topic = random_topic(WIDEST).await?;
+        leaders_elected(&topic, WIDEST).await?;
+        produce_backlog(&topic, WIDEST, records).await?;
+        widest.push(
+            child_rss_mib_of(&exe, settings, Role::Consumer, &db.schema, &topic, records).await?,
+        );
+        floor_and_budget.push(idle.values[round] + BUDGET_MIB);
         eprintln!(
             "MEM round {round}: idle {:.1}, relay {:.1}, consumer {:.1} MiB; at {RATE}/s: \
              batched {:.1}, per message {:.1} MiB; backlog on {WIDE} partitions {:.1}, on \
-             {PARTITIONS} {:.1} MiB",
+             {PARTITIONS} {:.1}, {WIDEST} partitions x {WIDEST_PER_PARTITION} {:.1} MiB",
             idle.values[round],
             relay.values[round],
             consumer.values[round],
             steady.values[round],
             steady_single.values[round],
             wide.values[round],
-            narrow.values[round]
+            narrow.values[round],
+            widest.values[round]
         );
     }
     let per = format!("{} events", settings.events);
@@ -142,19 +157,52 @@ pub(crate) async fn run(settings: &Settings) -> Result<Vec<Figure>> {
             narrow,
             None,
         ),
+        Figure::cost(
+            "MEM",
+            format!(
+                "consumer peak RSS, {WIDEST} partitions x {WIDEST_PER_PARTITION} x 1 KB, defaults"
+            ),
+            "MiB",
+            widest,
+            "idle floor + the 64 MiB prefetch budget",
+            floor_and_budget,
+            Some(1.25),
+        ),
     ])
 }
 
-/// Produces `BACKLOG` records of `RECORD_BYTES` to `topic`, spread over its `partitions`.
-async fn produce_backlog(topic: &str, partitions: i32) -> Result<()> {
+/// Waits until each of `topic`'s `partitions` has a leader: a new topic's many partitions
+/// are elected one by one, and records sent before time out.
+async fn leaders_elected(topic: &str, partitions: i32) -> Result<()> {
+    let client: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka_bootstrap())
+        .create()?;
+    eventually(
+        "every partition has a leader",
+        Duration::from_secs(120),
+        || async {
+            let metadata = client.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+            Ok(metadata.topics().first().is_some_and(|t| {
+                t.partitions().len() == partitions as usize
+                    && t.partitions().iter().all(|p| p.leader() >= 0)
+            }))
+        },
+    )
+    .await
+}
+
+/// Produces `records` records of `RECORD_BYTES` to `topic`, spread over its `partitions`.
+async fn produce_backlog(topic: &str, partitions: i32, records: usize) -> Result<()> {
     use futures::StreamExt;
     use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::FutureRecord;
     let producer: FutureProducer = producer_config(&kafka_bootstrap())
         .set("linger.ms", "20")
+        // A broker's first write to each of a thousand new partitions makes its log files.
+        .set("message.timeout.ms", "300000")
         .create()?;
     let pad = "x".repeat(RECORD_BYTES - 30);
-    let sends = futures::stream::iter(0..BACKLOG).map(|n| {
+    let sends = futures::stream::iter(0..records).map(|n| {
         let (producer, pad) = (&producer, &pad);
         async move {
             let id = outbox_core::EventId::new().to_string();

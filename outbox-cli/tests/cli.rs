@@ -289,9 +289,9 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
     let db = TestDb::new().await?;
     let topic = outbox_tests::random_topic(1).await?;
     sqlx::query(
-        "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error) \
-         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\", \"outbox-requeue-for\": \"earlier\"}', 'invalid_id', 'not a uuid'), \
-                ('billing', $1, 0, 8, NULL, NULL, '{}', 'missing_payload', 'no payload')",
+        "INSERT INTO outbox_consumer_quarantine (consumer, topic, partition, \"offset\", message_key, payload, headers, reason, error, record_timestamp) \
+         VALUES ('billing', $1, 0, 7, 'k'::bytea, '{broken'::bytea, '{\"id\": \"x\", \"type\": \"T\", \"outbox-requeue-for\": \"earlier\"}', 'invalid_id', 'not a uuid', '2026-01-02 03:04:05.678+00'), \
+                ('billing', $1, 0, 8, NULL, NULL, '{}', 'missing_payload', 'no payload', NULL)",
     )
     .bind(&topic)
     .execute(&db.pool)
@@ -332,6 +332,8 @@ async fn consumer_quarantine_requeue_publishes_the_message_as_received() -> Resu
         records[0].headers.get("type").map(String::as_str),
         Some("T")
     );
+    // The original's time (2026-01-02 03:04:05.678 UTC), not the requeue's.
+    assert_eq!(records[0].timestamp_ms, Some(1_767_323_045_678));
     // For the renamed consumer alone, in place of the earlier requeue's header (read last,
     // it would win).
     assert_eq!(

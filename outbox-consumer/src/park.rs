@@ -203,7 +203,7 @@ where
     /// poll). `Ok(false)`: shutdown came.
     pub(crate) async fn replay_keys(
         &self,
-        (topic, partition): (&str, i32),
+        at: (&str, i32),
         shutdown: &CancellationToken,
         turn: &mut Turn<'_>,
         owned: &(dyn Fn() -> bool + Send + Sync),
@@ -213,78 +213,97 @@ where
         let mut budget = inner.config.max_batch_size;
         let released: Vec<Vec<u8>> = sqlx::query_scalar(inner.sql().released_keys.clone())
             .bind(&inner.name)
-            .bind(topic)
-            .bind(partition)
+            .bind(at.0)
+            .bind(at.1)
             .fetch_all(&inner.pool)
             .await?;
         for key in released {
-            let shown = outbox_core::escape(&String::from_utf8_lossy(&key)).to_string();
-            tracing::info!(consumer = %inner.name, topic, partition, key = %shown, "replaying a released key");
-            loop {
-                if shutdown.is_cancelled() {
-                    return Ok(false);
-                }
-                if !owned() || budget == 0 {
-                    return Ok(true);
-                }
-                budget -= 1;
-                let head: Option<QuarantinedMessage> =
-                    sqlx::query_as(inner.sql().parked_head.clone())
-                        .bind(&inner.name)
-                        .bind(topic)
-                        .bind(partition)
-                        .bind(&key)
-                        .fetch_optional(&inner.pool)
-                        .await?;
-                let Some(head) = head else {
-                    sqlx::query(inner.sql().unpark_key.clone())
-                        .bind(&inner.name)
-                        .bind(topic)
-                        .bind(partition)
-                        .bind(&key)
-                        .execute(&inner.pool)
-                        .await?;
-                    // Its row is gone either way (another member's replay may have taken it).
-                    inner.parks.remove(topic, partition, &key);
-                    tracing::info!(consumer = %inner.name, topic, partition, key = %shown,
-                        "key released: its records were handled");
-                    break;
-                };
-                let Some(message) = as_received(&head) else {
-                    // Rebuilt, it would not be the record received: it stays, and says so.
-                    sqlx::query(inner.sql().unreplayable.clone())
-                        .bind(head.id)
-                        .bind(&inner.name)
-                        .bind(topic)
-                        .bind(partition)
-                        .bind(&key)
-                        .execute(&inner.pool)
-                        .await?;
-                    tracing::error!(consumer = %inner.name, topic, partition, offset = head.offset,
-                        "a parked record whose header name is not UTF-8 cannot be replayed; skip it");
-                    break;
-                };
-                let item = self.decode_item(&message);
-                bump(&inner.counters.replayed);
-                match self
-                    .alone(&message, &item, shutdown, turn, owned, None)
-                    .await?
-                {
-                    // Parked again: the release is cleared, the key waits for the next.
-                    Outcome::Parked(_) => break,
-                    Outcome::Abandoned => return Ok(false),
-                    Outcome::Revoked => return Ok(true),
-                    outcome => {
-                        crate::consumer::record_metric(&inner.name, &outcome);
-                        sqlx::query(inner.sql().unpark_record.clone())
-                            .bind(head.id)
-                            .execute(&inner.pool)
-                            .await?;
-                    }
-                }
+            if let Some(going) = self
+                .replay_key(at, &key, &mut budget, shutdown, turn, owned)
+                .await?
+            {
+                return Ok(going);
             }
         }
         Ok(true)
+    }
+
+    /// Replays released `key`'s records, head first, while `budget` lasts: `None` when the
+    /// key is done with (unparked, or parked again), `Some` when the replay must stop there
+    /// (`false`: shutdown came).
+    async fn replay_key(
+        &self,
+        (topic, partition): (&str, i32),
+        key: &[u8],
+        budget: &mut usize,
+        shutdown: &CancellationToken,
+        turn: &mut Turn<'_>,
+        owned: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<Option<bool>, ConsumerError> {
+        let inner = &*self.inner;
+        let sql = inner.sql();
+        // The statements on the key's rows: `$1`..`$4` name it.
+        let on_key = |statement: &SqlStr| {
+            sqlx::query(statement.clone())
+                .bind(&inner.name)
+                .bind(topic)
+                .bind(partition)
+                .bind(key)
+        };
+        let shown = outbox_core::escape(&String::from_utf8_lossy(key)).to_string();
+        tracing::info!(consumer = %inner.name, topic, partition, key = %shown, "replaying a released key");
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(Some(false));
+            }
+            if !owned() || *budget == 0 {
+                return Ok(Some(true));
+            }
+            *budget -= 1;
+            let head: Option<QuarantinedMessage> = sqlx::query_as(sql.parked_head.clone())
+                .bind(&inner.name)
+                .bind(topic)
+                .bind(partition)
+                .bind(key)
+                .fetch_optional(&inner.pool)
+                .await?;
+            let Some(head) = head else {
+                on_key(&sql.unpark_key).execute(&inner.pool).await?;
+                // Its row is gone either way (another member's replay may have taken it).
+                inner.parks.remove(topic, partition, key);
+                tracing::info!(consumer = %inner.name, topic, partition, key = %shown,
+                    "key released: its records were handled");
+                return Ok(None);
+            };
+            let Some(message) = as_received(&head) else {
+                // Rebuilt, it would not be the record received: it stays, and says so.
+                on_key(&sql.unreplayable)
+                    .bind(head.id)
+                    .execute(&inner.pool)
+                    .await?;
+                tracing::error!(consumer = %inner.name, topic, partition, offset = head.offset,
+                    "a parked record whose header name is not UTF-8 cannot be replayed; skip it");
+                return Ok(None);
+            };
+            let item = self.decode_item(&message);
+            bump(&inner.counters.replayed);
+            match self
+                .alone(&message, &item, shutdown, turn, owned, None)
+                .await?
+            {
+                // Parked again: the release is cleared, the key waits for the next.
+                Outcome::Parked(_) => return Ok(None),
+                Outcome::Abandoned => return Ok(Some(false)),
+                Outcome::Revoked => return Ok(Some(true)),
+                outcome => {
+                    crate::consumer::record_metric(&inner.name, &outcome);
+                    sqlx::query(sql.unpark_record.clone())
+                        .bind(head.id)
+                        .execute(&inner.pool)
+                        .await?;
+                }
+            }
+        }
     }
 }
 

@@ -53,8 +53,8 @@ pub(crate) struct ConsumerSql {
     pub(crate) released_keys: SqlStr,
     /// The first record parked under `$1`, `$2`, `$3`, key `$4`.
     pub(crate) parked_head: SqlStr,
-    /// Parked record `$1` cannot be replayed: says so in its error, and clears the release of
-    /// its key (`$2`..`$5` as `unpark_key`'s `$1`..`$4`).
+    /// Parked record `$5` cannot be replayed: says so in its error, and clears the release of
+    /// its key (`$1`..`$4` as `unpark_key`'s).
     pub(crate) unreplayable: SqlStr,
     /// Deletes parked record `$1` (replayed).
     pub(crate) unpark_record: SqlStr,
@@ -203,9 +203,9 @@ impl ConsumerSql {
             .into_sql_str(),
             unreplayable: AssertSqlSafe(format!(
                 "WITH held AS (UPDATE {keys} SET release_requested_at = NULL \
-                    WHERE consumer = $2 AND topic = $3 AND partition = $4 AND message_key = $5) \
+                    WHERE {position} AND message_key = $4) \
                  UPDATE {parked} SET error = 'cannot be replayed: a header name is not UTF-8 \
-                    (outbox parked skip drops it); ' || error WHERE id = $1"
+                    (outbox parked skip drops it); ' || error WHERE id = $5"
             ))
             .into_sql_str(),
             unpark_record: AssertSqlSafe(format!("DELETE FROM {parked} WHERE id = $1"))

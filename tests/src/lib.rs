@@ -307,6 +307,8 @@ pub struct Record {
     pub payload: String,
     /// Headers as UTF-8.
     pub headers: BTreeMap<String, String>,
+    /// The record's timestamp, in milliseconds since the epoch.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl Record {
@@ -346,6 +348,7 @@ impl Record {
                         .collect()
                 })
                 .unwrap_or_default(),
+            timestamp_ms: message.timestamp().to_millis(),
         }
     }
 }

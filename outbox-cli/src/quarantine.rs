@@ -58,8 +58,9 @@ pub(crate) enum Action {
     Show { side: Side, ids: Vec<i64> },
     /// Relay: make the rows pending again. Consumer: publish the messages again, as received,
     /// to their topic and partition (they land after what came since), for the consumer that
-    /// quarantined them alone (header `outbox-requeue-for`: other dedup consumers skip them;
-    /// clients that are not dedup consumers see them as redeliveries), then delete them here.
+    /// quarantined them alone (header `outbox-requeue-for`: other dedup consumers that handled
+    /// the event skip them, the others quarantine them as `requeue_unseen`; clients that are not
+    /// dedup consumers see them as redeliveries), then delete them here.
     ///
     /// Consumer requeues take Kafka settings as `outbox relay` does: --kafka-config,
     /// `OUTBOX_KAFKA_<KEY>` variables, --brokers, -X, in that order.

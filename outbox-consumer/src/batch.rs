@@ -47,6 +47,14 @@ use crate::permit::Turn;
 use crate::slice::{SLICE_RETRIES, is_missing_slice};
 use crate::{ConsumerError, DedupConsumer, Event, Handler, Outcome, quarantine, span};
 
+/// A message, decoded, before a requeued copy for another consumer is settled.
+pub(crate) enum Decoded<P> {
+    Item(Item<P>),
+    /// A copy requeued for other consumers (`requeue.rs`): their names, escaped, and its event
+    /// id when one can be read. Skipped if this consumer handled that event, else quarantined.
+    Copy(String, Option<Uuid>),
+}
+
 /// A message, decoded.
 pub(crate) enum Item<P> {
     Rejected(Rejected),
@@ -106,7 +114,7 @@ where
     ) -> Result<Vec<Outcome>, ConsumerError> {
         let started = std::time::Instant::now();
         self.inner.know_session().await?;
-        let mut items: Vec<Item<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
+        let mut items = self.decode_items(messages).await?;
         if let Some(first) = messages.first() {
             self.load_parks(first.topic(), first.partition()).await?;
             self.mark_parked(messages, &mut items, 0);
@@ -248,21 +256,65 @@ where
         }
     }
 
-    pub(crate) fn decode_item(&self, message: &OwnedMessage) -> Item<P> {
+    /// `messages` decoded, and the copies among them requeued for other consumers settled
+    /// (`requeue.rs`): skipped where this consumer recorded the event's id, quarantined as
+    /// `requeue_unseen` where it did not. `Err` when the database cannot be reached.
+    pub(crate) async fn decode_items(
+        &self,
+        messages: &[OwnedMessage],
+    ) -> Result<Vec<Item<P>>, ConsumerError> {
+        let decoded: Vec<Decoded<P>> = messages.iter().map(|m| self.decode_item(m)).collect();
+        let ids: Vec<Uuid> = decoded
+            .iter()
+            .filter_map(|d| match d {
+                Decoded::Copy(_, id) => *id,
+                Decoded::Item(_) => None,
+            })
+            .collect();
+        let inner = &*self.inner;
+        let recorded: HashSet<Uuid> = if ids.is_empty() {
+            HashSet::new()
+        } else {
+            sqlx::query_scalar(inner.sql().find_recorded.clone())
+                .bind(&inner.name)
+                .bind(&ids)
+                .fetch_all(&inner.pool)
+                .await?
+                .into_iter()
+                .collect()
+        };
+        let settle = |(message, decoded): (&OwnedMessage, Decoded<P>)| match decoded {
+            Decoded::Item(item) => item,
+            Decoded::Copy(targets, Some(id)) if recorded.contains(&id) => {
+                tracing::info!(consumer = %inner.name, topic = message.topic(),
+                    partition = message.partition(), offset = message.offset(),
+                    for_consumers = %targets, "requeued copy for another consumer; skipped");
+                Item::NotForUs
+            }
+            Decoded::Copy(targets, id) => Item::Rejected(crate::requeue::unseen(&targets, id)),
+        };
+        Ok(messages.iter().zip(decoded).map(settle).collect())
+    }
+
+    fn decode_item(&self, message: &OwnedMessage) -> Decoded<P> {
         let inner = &*self.inner;
         // Read once: the requeue check and the decoder look at the same headers.
         let read = crate::headers::read(message);
-        if crate::requeue::for_another(&inner.name, message, &read) {
-            return Item::NotForUs;
+        if let Some(targets) = crate::requeue::for_another(&inner.name, &read) {
+            let id = crate::requeue::event_id(&read);
+            return match id {
+                Some(id) if inner.cache.contains_key(&id) => Decoded::Item(Item::NotForUs),
+                id => Decoded::Copy(targets, id),
+            };
         }
-        match decode::decode(&inner.config, message, &read) {
+        Decoded::Item(match decode::decode(&inner.config, message, &read) {
             Err(rejected) => Item::Rejected(rejected),
             Ok(event) if inner.cache.contains_key(event.id.as_uuid()) => {
                 tracing::debug!(consumer = %inner.name, event_id = %event.id, "duplicate (cache)");
                 Item::Cached
             }
             Ok(event) => Item::Event(event),
-        }
+        })
     }
 
     /// One message on its own transaction, retried under the failure policy while the

@@ -33,7 +33,8 @@ pub enum Outcome {
     /// limit (`missing_id`, `invalid_id`, `ambiguous_id`, `ambiguous_type`, `invalid_header`,
     /// `invalid_header_name`: a header name that is not UTF-8 or has a NUL inside,
     /// `invalid_requeue_header`: an `outbox-requeue-for` header naming no consumer (no value,
-    /// an empty one, or one that is not UTF-8),
+    /// an empty one, or one that is not UTF-8), `requeue_unseen`: a copy requeued for another
+    /// consumer, of an event this one never recorded,
     /// `invalid_key`, `missing_payload`, `invalid_json`, `wrong_shape`, `unknown_type`,
     /// `too_large`, `id_ahead`: a UUIDv7 id dated more than a day ahead of this machine's
     /// clock), or its attempts ran out (`handler_failed`: the handler returned an error
@@ -53,8 +54,8 @@ pub enum Outcome {
     /// partition's new owner reads it again from the committed offset).
     Revoked,
     /// Skipped: a copy an operator requeued for another consumer (its
-    /// [`wire::HEADER_REQUEUE_FOR`](outbox_core::wire::HEADER_REQUEUE_FOR) names another): no
-    /// handler, no dedup row; its offset is stored.
+    /// [`wire::HEADER_REQUEUE_FOR`](outbox_core::wire::HEADER_REQUEUE_FOR) names another), of
+    /// an event this consumer recorded: no handler; its offset is stored.
     NotForUs,
 }
 

@@ -285,7 +285,11 @@ where
                     "a parked record whose header name is not UTF-8 cannot be replayed; skip it");
                 return Ok(None);
             };
-            let item = self.decode_item(&message);
+            let item = self
+                .decode_items(std::slice::from_ref(&message))
+                .await?
+                .pop()
+                .expect("one item per message");
             bump(&inner.counters.replayed);
             match self
                 .alone(&message, &item, shutdown, turn, owned, None)

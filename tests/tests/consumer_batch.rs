@@ -459,9 +459,9 @@ fn record_with(offset: i64, headers: &[(&str, &[u8])], payload: &[u8]) -> OwnedM
     )
 }
 
-/// A copy `outbox quarantine requeue` made for another consumer is skipped whole: not handled,
-/// not recorded, not quarantined whatever it holds; the consumer it names (one of its values,
-/// byte for byte) handles it as any other record.
+/// A copy `outbox quarantine requeue` made for another consumer is skipped whole by a consumer
+/// that handled its event: not handled again, not quarantined; the consumer it names (one of
+/// its values, byte for byte) handles it as any other record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requeued_copy_is_handled_by_the_consumer_it_names_alone() -> Result<()> {
     use outbox_core::wire::HEADER_REQUEUE_FOR as FOR;
@@ -474,17 +474,20 @@ async fn a_requeued_copy_is_handled_by_the_consumer_it_names_alone() -> Result<(
         headers.extend(to.iter().map(|to| (FOR, *to)));
         record_with(n as i64, &headers, format!(r#"{{"n":{n}}}"#).as_bytes())
     };
+    // The originals of 0, 1 and 3, handled before their copies came.
+    let originals = [event(0, &[]), event(1, &[]), event(3, &[])];
+    let cancel = CancellationToken::new();
+    c.process_batch(&originals, &cancel).await?;
+    // A consumer that knows them from its dedup table only (restarted: its cache is empty).
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
     let messages = [
         event(0, &[b"c2"]),
-        // Breaks the contract, but it is not this consumer's to quarantine.
-        record_with(1, &[(FOR, b"c2")], b"{not json"),
+        event(1, &[b"c2", b"c3"]),
         event(2, &[b"c2", b"c1"]),
         event(3, &[b"C1"]),
         event(4, &[]),
     ];
-    let outcomes = c
-        .process_batch(&messages, &CancellationToken::new())
-        .await?;
+    let outcomes = c.process_batch(&messages, &cancel).await?;
     assert_eq!(
         outcomes,
         [
@@ -497,21 +500,61 @@ async fn a_requeued_copy_is_handled_by_the_consumer_it_names_alone() -> Result<(
     );
     // A batch of such copies alone begins no transaction.
     let before = c.stats().transactions;
-    let outcomes = c
-        .process_batch(&[event(0, &[b"c1 "])], &CancellationToken::new())
-        .await?;
+    let outcomes = c.process_batch(&[event(0, &[b"c1 "])], &cancel).await?;
     assert_eq!(outcomes, [Outcome::NotForUs]);
     assert_eq!(c.stats().transactions, before);
 
-    assert_eq!(effects(&db.pool).await?, [2, 4]);
+    // In the order handled: the originals first.
+    assert_eq!(effects(&db.pool).await?, [0, 1, 3, 2, 4]);
     let (recorded, quarantined): (i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM outbox_consumer_dedup), \
                 (SELECT count(*) FROM outbox_consumer_quarantine)",
     )
     .fetch_one(&db.pool)
     .await?;
-    assert_eq!((recorded, quarantined), (2, 0));
+    assert_eq!((recorded, quarantined), (5, 0));
     assert_eq!(c.stats().not_for_us, 4);
+    Ok(())
+}
+
+/// Anyone who can write to a topic can add a requeue header naming another consumer: a
+/// consumer that never handled the copy's event quarantines it, bytes and all, and handles
+/// the records after it. Fails before the fix: each was `NotForUs`, skipped with a log line by
+/// every consumer it did not name, its offset stored: never handled, never quarantined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_requeue_header_is_quarantined_not_skipped() -> Result<()> {
+    use outbox_core::wire::HEADER_REQUEUE_FOR as FOR;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let c = DedupConsumer::new(db.pool.clone(), ConsumerConfig::new("c1"), record)?;
+    let (forged, next) = (EventId::new().to_string(), EventId::new().to_string());
+    let messages = [
+        record_with(0, &[("id", forged.as_bytes()), (FOR, b"c2")], br#"{"n":0}"#),
+        // No id to look up: no consumer can have handled it.
+        record_with(1, &[(FOR, b"c2")], b"{not json"),
+        record_with(2, &[("id", next.as_bytes())], br#"{"n":2}"#),
+    ];
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    let unseen = Outcome::Quarantined("requeue_unseen");
+    assert_eq!(outcomes, [unseen.clone(), unseen, Outcome::Processed]);
+    assert_eq!(effects(&db.pool).await?, [2]);
+    let rows: Vec<(i64, Option<uuid::Uuid>, Vec<u8>, String)> = sqlx::query_as(
+        "SELECT \"offset\", event_id, payload, error FROM outbox_consumer_quarantine \
+         WHERE reason = 'requeue_unseen' ORDER BY \"offset\"",
+    )
+    .fetch_all(&db.pool)
+    .await?;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!((rows[0].0, rows[0].1), (0, Some(forged.parse()?)));
+    assert_eq!(rows[0].2, br#"{"n":0}"#);
+    assert!(rows[0].3.contains("c2"), "{}", rows[0].3);
+    assert_eq!(
+        (rows[1].0, rows[1].1, &rows[1].2[..]),
+        (1, None, &b"{not json"[..])
+    );
+    assert_eq!(c.stats().not_for_us, 0);
     Ok(())
 }
 
@@ -558,17 +601,23 @@ async fn a_requeue_header_naming_no_consumer_is_quarantined_not_skipped() -> Res
         .process_batch(&messages, &CancellationToken::new())
         .await?;
     let invalid = Outcome::Quarantined("invalid_requeue_header");
+    // The last names a consumer, but this one never handled its event: no copy of its own.
     assert_eq!(
         outcomes,
-        [invalid.clone(), invalid.clone(), invalid, Outcome::NotForUs]
+        [
+            invalid.clone(),
+            invalid.clone(),
+            invalid,
+            Outcome::Quarantined("requeue_unseen")
+        ]
     );
     assert_eq!(effects(&db.pool).await?, [] as [i64; 0]);
     let reasons: Vec<String> =
         sqlx::query_scalar("SELECT reason FROM outbox_consumer_quarantine ORDER BY \"offset\"")
             .fetch_all(&db.pool)
             .await?;
-    assert_eq!(reasons, ["invalid_requeue_header"; 3]);
-    assert_eq!(c.stats().not_for_us, 1);
+    assert_eq!(reasons[..3], ["invalid_requeue_header"; 3]);
+    assert_eq!(c.stats().not_for_us, 0);
     Ok(())
 }
 
@@ -591,7 +640,7 @@ async fn a_batch_retried_after_an_outage_counts_its_skipped_messages_once() -> R
     );
     let copy = record_with(
         2,
-        &[("id", ids[1].to_string().as_bytes()), (FOR, b"c2")],
+        &[("id", ids[0].to_string().as_bytes()), (FOR, b"c2")],
         br#"{"n":2}"#,
     );
     let retried = [copy, messages[0].clone(), messages[1].clone()];

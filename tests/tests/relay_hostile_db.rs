@@ -89,6 +89,45 @@ async fn rows_are_marked_when_the_server_ends_idle_transactions_before_kafka_ack
     published_once(&db, &topic, ids).await
 }
 
+/// PostgreSQL 17 ends any transaction older than `transaction_timeout`, which a managed
+/// service may set for a role: set to 200 ms, below the relay's wait for Kafka's
+/// acknowledgements, the rows are still marked, once (the relay's transaction sets its own
+/// bound). Before, the server ended the batch after Kafka had acknowledged its rows and every
+/// later batch published them again. Older servers have no such setting (checked: the
+/// relay's statement leaves it unset there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_are_marked_when_the_server_bounds_transactions_below_kafka_acks() -> Result<()> {
+    let db = TestDb::new().await?;
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(&db.pool)
+        .await?;
+    if version < 170_000 {
+        let known: Option<String> =
+            sqlx::query_scalar("SELECT current_setting('transaction_timeout', true)")
+                .fetch_one(&db.pool)
+                .await?;
+        assert_eq!(
+            known, None,
+            "PostgreSQL {version} has no transaction_timeout"
+        );
+        return Ok(());
+    }
+    let topic = random_topic(1).await?;
+    let ids = enqueue(&db, &topic).await?;
+    let pool = pool_with(&db, &unique("relay"), &[("transaction_timeout", "200ms")]).await?;
+    let mut kafka = producer_config(&kafka_bootstrap());
+    kafka.set("linger.ms", "1000");
+    let relay = Relay::new(pool, &kafka, RelayConfig::default().listen(false))?;
+    let report = relay.run_once().await?;
+    assert_eq!(report.published, ROWS, "{report:?}");
+    assert_eq!(
+        relay.run_once().await?.claimed,
+        0,
+        "nothing left to publish"
+    );
+    published_once(&db, &topic, ids).await
+}
+
 /// The server cancels a statement after 100 ms; the relay's claim waits longer than that for
 /// a table lock another session holds (a migration, a `VACUUM FULL`). The claim waits it out
 /// and the batch is published: the relay's transaction sets its own statement bound.

@@ -29,6 +29,11 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 ///
 /// A statement may wait that long (for a lock a migration holds, say) before it fails.
 ///
+/// A transaction lasts at most 15 minutes (PostgreSQL 17's `transaction_timeout`; a server,
+/// database or role value below the Kafka wait would end the batch after Kafka acknowledged
+/// its rows, as an idle bound did): longer than a batch's Kafka wait (librdkafka's
+/// `message.timeout.ms`, 5 minutes at most by default) and its statements.
+///
 /// A transaction idle that long ends: the bound of a relay that stopped (a stalled process
 /// keeps its connection, and the locks on its claimed rows, which hold their keys back from
 /// every other relay). A waiting relay is never idle that long: it touches the transaction
@@ -43,7 +48,8 @@ const BEGIN_WITH_SETTINGS: &str = "BEGIN; \
     SELECT set_config(s.name, s.value, true) \
     FROM (VALUES ('jit', 'off'), ('plan_cache_mode', 'force_custom_plan'), \
                  ('enable_sort', 'off'), ('statement_timeout', '5min'), \
-                 ('idle_in_transaction_session_timeout', '30s')) AS s(name, value) \
+                 ('idle_in_transaction_session_timeout', '30s'), \
+                 ('transaction_timeout', '15min')) AS s(name, value) \
     WHERE current_setting(s.name, true) IS NOT NULL";
 
 /// How often a batch waiting for Kafka runs a statement in its transaction; well below the

@@ -72,11 +72,14 @@ GRANT SELECT ON outbox_events TO outbox_debezium;
 
 -- Quarantine operators (`outbox quarantine list|show|requeue|discard|audit`, `outbox prune
 -- quarantine`): find the quarantine tables in the registry, act on their rows (UPDATE also
--- for a consumer requeue's row locks and a relay requeue), and write each action's audit row
--- (SELECT on it only for `outbox quarantine audit`). Nobody but the owner gets UPDATE or
--- DELETE on the audit, nor INSERT on the registry (a row there makes a table actionable).
+-- for a consumer requeue's row locks and a relay requeue), and read the audit (`outbox
+-- quarantine audit`). The database writes the audit (migration 0017's triggers, as its owner,
+-- for every change of quarantined rows, whoever makes it): nobody but the owner gets INSERT,
+-- UPDATE or DELETE on it (the REVOKE takes back what this file granted before), nor INSERT on
+-- the registry (a row there makes a table actionable).
 GRANT SELECT ON outbox_quarantine_tables TO outbox_quarantine_operator;
-GRANT SELECT, INSERT ON outbox_quarantine_audit TO outbox_quarantine_operator;
+GRANT SELECT ON outbox_quarantine_audit TO outbox_quarantine_operator;
+REVOKE INSERT ON outbox_quarantine_audit FROM outbox_quarantine_operator;
 GRANT SELECT, UPDATE, DELETE ON outbox_events, outbox_consumer_quarantine
     TO outbox_quarantine_operator;
 -- `outbox parked list|show|release|skip`: reads parked keys and records, asks for a release

@@ -5,9 +5,10 @@
 //!
 //! An action changes a table only when migration 0010's registry, `outbox_quarantine_tables`,
 //! lists it (by oid) as that side's quarantine: a table name is operator input, and a mistyped
-//! one must not delete a user's rows. Each action writes its row in `outbox_quarantine_audit`
-//! in the statement that acts, so one never commits without the other, whatever transaction
-//! the caller runs it in.
+//! one must not delete a user's rows. The database audits every change of quarantined rows
+//! (migration 0017's triggers write `outbox_quarantine_audit`, whoever changes them); an
+//! action tells its triggers its name, the operator's reason and its detail, in the statement
+//! that acts.
 
 use sqlx::postgres::PgRow;
 use sqlx::postgres::types::Oid;
@@ -121,8 +122,6 @@ pub struct QuarantineColumns {
 struct Verified {
     /// The table, schema-qualified and quoted.
     name: String,
-    /// Its schema, quoted: where its registry and audit are.
-    schema: String,
 }
 
 /// One side's quarantine, for the operator's actions on it.
@@ -227,7 +226,7 @@ impl<'a> QuarantineTable<'a> {
                 "not listed in outbox_quarantine_tables for this side under this oid and name (the migrations list the tables they create)",
             ));
         }
-        Ok(Verified { name, schema })
+        Ok(Verified { name })
     }
 
     /// The quarantined entries with the given keys, in key order, locked for the caller's
@@ -238,7 +237,7 @@ impl<'a> QuarantineTable<'a> {
     where
         T: for<'r> FromRow<'r, PgRow> + Send + Unpin,
     {
-        let Verified { name, .. } = self.verified(conn).await?;
+        let Verified { name } = self.verified(conn).await?;
         let QuarantineColumns { all, key, held, .. } = self.columns;
         let query = format!(
             "SELECT {all} FROM {name} WHERE {held} AND {key} = ANY($1) ORDER BY {key} \
@@ -259,59 +258,35 @@ impl<'a> QuarantineTable<'a> {
             })
     }
 
-    /// Checks that the current role may take `action` on the table and record it (INSERT on
-    /// the audit), without taking it: for an action with a side effect outside the database
-    /// (a consumer requeue publishes first), so that nothing is published that cannot be
-    /// recorded. Checked as [`Self::verify`]; a missing privilege is
-    /// [`CoreError::QuarantinePrivilege`].
+    /// Checks that the current role may take `action` on the table, without taking it: for an
+    /// action with a side effect outside the database (a consumer requeue publishes first), so
+    /// that nothing is published that cannot be taken. Checked as [`Self::verify`]; a missing
+    /// privilege is [`CoreError::QuarantinePrivilege`]. The audit needs none (the database
+    /// writes it).
     pub async fn check_privileges(
         &self,
         conn: &mut PgConnection,
         action: QuarantineAction,
     ) -> Result<(), CoreError> {
-        let Verified { name, schema } = self.verified(conn).await?;
+        let Verified { name } = self.verified(conn).await?;
         let change = match (action, self.columns.requeue) {
             (QuarantineAction::Requeue, Some(_)) => "UPDATE",
             _ => "DELETE",
         };
-        let audit = format!("{schema}.outbox_quarantine_audit");
-        let (role, on_table, on_audit): (String, bool, bool) = sqlx::query_as(
-            "SELECT current_user::text, has_table_privilege($1, $2), \
-                    has_table_privilege($3, 'INSERT')",
-        )
-        .bind(&name)
-        .bind(change)
-        .bind(&audit)
-        .fetch_one(conn)
-        .await?;
-        let missing: Vec<String> = [
-            (on_table, format!("{change} on {name}")),
-            (on_audit, format!("INSERT on {audit}")),
-        ]
-        .into_iter()
-        .filter(|(has, _)| !has)
-        .map(|(_, what)| what)
-        .collect();
-        if missing.is_empty() {
+        let (role, on_table): (String, bool) =
+            sqlx::query_as("SELECT current_user::text, has_table_privilege($1, $2)")
+                .bind(&name)
+                .bind(change)
+                .fetch_one(conn)
+                .await?;
+        if on_table {
             Ok(())
         } else {
             Err(CoreError::QuarantinePrivilege {
                 role,
-                missing: missing.join(", "),
+                missing: format!("{change} on {name}"),
             })
         }
-    }
-
-    /// The `RETURNING` clause an action's statement ends with: each row's key, event id and
-    /// consumer, as the audit takes them.
-    fn returning(&self) -> String {
-        let QuarantineColumns {
-            key,
-            event_id,
-            consumer,
-            ..
-        } = self.columns;
-        format!("RETURNING {key} AS row_id, {event_id} AS event_id, {consumer} AS consumer")
     }
 
     /// Deletes the quarantined entries with the given keys, audited; returns how many there
@@ -337,9 +312,9 @@ impl<'a> QuarantineTable<'a> {
         self.act(conn, QuarantineAction::Requeue, keys, note).await
     }
 
-    /// Checks the table ([`Self::verify`]), changes the quarantined rows whose keys are given
-    /// and writes the action's audit row in the same statement, unless it changed none.
-    /// Returns how many rows it changed.
+    /// Checks the table ([`Self::verify`]) and changes the quarantined rows whose keys are
+    /// given, telling the audit's triggers what the change is. Returns how many rows it
+    /// changed.
     async fn act(
         &self,
         conn: &mut PgConnection,
@@ -347,98 +322,85 @@ impl<'a> QuarantineTable<'a> {
         keys: &[i64],
         note: &ActionNote,
     ) -> Result<u64, CoreError> {
-        let Verified { name, schema } = self.verified(conn).await?;
+        let Verified { name } = self.verified(conn).await?;
         let QuarantineColumns {
             key, held, requeue, ..
         } = self.columns;
-        let returning = self.returning();
+        // `noted` runs before the change's rows are read (an InitPlan): the triggers, which
+        // run at the statement's end, find the settings made.
+        let acted = format!("{held} AND {key} = ANY($1) AND EXISTS (SELECT FROM noted)");
         let change = match (action, requeue) {
             (QuarantineAction::Requeue, Some(set)) => {
-                format!("UPDATE {name} SET {set} WHERE {held} AND {key} = ANY($1) {returning}")
+                format!("UPDATE {name} SET {set} WHERE {acted} RETURNING 1")
             }
-            _ => format!("DELETE FROM {name} WHERE {held} AND {key} = ANY($1) {returning}"),
+            _ => format!("DELETE FROM {name} WHERE {acted} RETURNING 1"),
         };
-        // No RETURNING from the audit: an operator may INSERT there without reading it.
         let query = format!(
-            "WITH acted AS ({change}), \
-             audit AS (INSERT INTO {schema}.outbox_quarantine_audit \
-                 (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
-                 {} HAVING count(*) > 0) \
-             SELECT count(*) FROM acted",
-            audit_select("acted", "$2", "$3", "$4", "$5", "$6")
+            "WITH noted AS ({}), acted AS ({change}) SELECT count(*) FROM acted",
+            note_settings("$2", "$3", "$4")
         );
         let changed: i64 = sqlx::query_scalar(AssertSqlSafe(query))
             .bind(keys)
             .bind(action.as_str())
-            .bind(self.side.as_str())
-            .bind(name)
             .bind(note.reason.as_deref())
             .bind(Json(&note.detail))
-            .fetch_one(conn)
+            .fetch_one(&mut *conn)
             .await?;
+        // The settings last until the caller's transaction ends: a later statement of its own
+        // is not this action.
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT FROM ({}) AS cleared",
+            note_settings("''", "''", "''")
+        )))
+        .execute(conn)
+        .await?;
         Ok(u64::try_from(changed).unwrap_or(0))
     }
 
     /// Checks the table ([`Self::verify`]), and returns a statement for
     /// [`crate::delete_in_batches`] that deletes quarantined entries whose `time` column (a
     /// `timestamptz` with an index) is older than `$1` ms, `$2` at a time, from `$3` on, in
-    /// `time` order, and writes one audit row per batch that deleted any, with `reason`. A
-    /// prune's audit row lists no ids (a flood of poison would double in the audit): its
-    /// detail has how many rows, their least and greatest key and `time`.
+    /// `time` order, audited as a `prune` with `reason` (a consumer quarantine's audit row
+    /// per batch lists no ids, a flood of poison would double in the audit: its detail has
+    /// how many rows, their least and greatest key and `time`).
     pub async fn prune_statement(
         &self,
         conn: &mut PgConnection,
         time: &str,
         reason: Option<&str>,
     ) -> Result<String, CoreError> {
-        let Verified { name, schema } = self.verified(conn).await?;
+        let Verified { name } = self.verified(conn).await?;
         let QuarantineColumns { key, held, .. } = self.columns;
-        // The name and reason stand in literals: quoted by the server.
-        let (literal, reason): (String, String) =
-            sqlx::query_as("SELECT quote_literal($1), quote_nullable($2)")
-                .bind(&name)
-                .bind(reason)
-                .fetch_one(conn)
-                .await?;
+        // The reason stands in a literal: quoted by the server.
+        let reason: String = sqlx::query_scalar("SELECT quote_literal(coalesce($1, ''))")
+            .bind(reason)
+            .fetch_one(conn)
+            .await?;
+        let noted = note_settings(
+            "'prune'",
+            &reason,
+            "jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint)",
+        );
         Ok(format!(
-            "WITH gone AS ( \
+            "WITH noted AS ({noted}), gone AS ( \
                 DELETE FROM {name} WHERE {key} IN ( \
                     SELECT {key} FROM {name} WHERE {held} \
                       AND {time} < now() - $1 * interval '1 millisecond' \
                       AND {time} >= coalesce($3, '-infinity'::timestamptz) \
                     ORDER BY {time} LIMIT $2 FOR UPDATE SKIP LOCKED) \
-                {}, {time} AS at), \
-             audit AS (INSERT INTO {schema}.outbox_quarantine_audit \
-                 (action, side, table_name, row_ids, event_ids, consumers, reason, detail) \
-                 SELECT 'prune', '{side}', {literal}, '{{}}', '{{}}', \
-                        coalesce(array_agg(DISTINCT consumer) FILTER (WHERE consumer IS NOT NULL), '{{}}'), \
-                        {reason}, \
-                        jsonb_build_object('older_than_ms', $1::float8, 'batch', $2::bigint, \
-                            'rows', count(*), 'first_row_id', min(row_id), 'last_row_id', max(row_id), \
-                            'first_at', min(at), 'last_at', max(at)) \
-                 FROM gone HAVING count(*) > 0) \
-             SELECT count(*), max(at) FROM gone",
-            self.returning(),
-            side = self.side.as_str(),
+                AND EXISTS (SELECT FROM noted) \
+                RETURNING {time} AS at) \
+             SELECT count(*), max(at) FROM gone"
         ))
     }
 }
 
-/// The `SELECT` of an audit row over the rows a statement acted on (the CTE `source`).
-fn audit_select(
-    source: &str,
-    action: &str,
-    side: &str,
-    table: &str,
-    reason: &str,
-    detail: &str,
-) -> String {
+/// A `SELECT` that tells the audit's triggers (migration 0017) the action, the reason and the
+/// detail (SQL expressions) of the statement it is part of, for the rest of the transaction.
+fn note_settings(action: &str, reason: &str, detail: &str) -> String {
     format!(
-        "SELECT {action}, {side}, {table}, \
-                coalesce(array_agg(row_id ORDER BY row_id), '{{}}'), \
-                coalesce(array_agg(event_id ORDER BY row_id), '{{}}'), \
-                coalesce(array_agg(DISTINCT consumer) FILTER (WHERE consumer IS NOT NULL), '{{}}'), \
-                {reason}, {detail} \
-         FROM {source}"
+        "SELECT set_config('outbox.audit_action', {action}, true), \
+                set_config('outbox.audit_reason', coalesce({reason}, ''), true), \
+                set_config('outbox.audit_detail', ({detail})::text, true)"
     )
 }

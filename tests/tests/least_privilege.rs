@@ -552,3 +552,95 @@ async fn parked_keys_work_as_the_documented_roles() -> Result<()> {
     assert_eq!(audited, 1);
     roles.drop_all().await
 }
+
+/// The database writes the quarantines' audit, whoever changes a quarantined row: a DELETE or
+/// an UPDATE typed by the quarantine operator in psql is recorded under its name, with the
+/// rows it touched, and the operator cannot write an entry of its own. Fails before migration
+/// 0017: the client wrote the audit row in the statement that acted, so a direct statement
+/// left none, and the operator had INSERT on the audit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Result<()> {
+    let roles = Roles::new().await?;
+    let owner = roles.pool(&roles.owner).await?;
+    let operator = roles.pool(&roles.operator).await?;
+    let event = EventId::new();
+    let quarantined: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox_consumer_quarantine \
+            (consumer, topic, partition, \"offset\", event_id, message_key, payload, reason, error) \
+         VALUES ('billing', 't', 0, 7, $1, 'k', 'x', 'invalid_json', 'bad') RETURNING id",
+    )
+    .bind(event.as_uuid())
+    .fetch_one(&owner)
+    .await?;
+    let row = NewEvent::new("agent", "a1", "Step", &serde_json::json!({ "n": 1 }))?;
+    outbox_producer::enqueue(&mut *owner.acquire().await?, &row).await?;
+    let seq: i64 = sqlx::query_scalar(
+        "UPDATE outbox_events SET status = 'quarantined', last_error = 'bad' RETURNING seq",
+    )
+    .fetch_one(&owner)
+    .await?;
+    let audit = || async {
+        let rows: Vec<(String, String, Vec<i64>, String, String)> = sqlx::query_as(
+            "SELECT action, side, row_ids, db_user, db_session_user \
+             FROM outbox_quarantine_audit ORDER BY at, id",
+        )
+        .fetch_all(&owner)
+        .await?;
+        anyhow::Ok(rows)
+    };
+    assert_eq!(
+        audit().await?,
+        [],
+        "quarantining a row is no operator action"
+    );
+
+    let forged = sqlx::query(
+        "INSERT INTO outbox_quarantine_audit (action, side, table_name, row_ids, event_ids, consumers) \
+         VALUES ('discard', 'consumer', 'x', '{}', '{}', '{}')",
+    )
+    .execute(&operator)
+    .await;
+    assert!(
+        forged.as_ref().is_err_and(insufficient_privilege),
+        "the operator wrote an audit entry: {forged:?}"
+    );
+    sqlx::query("UPDATE outbox_events SET payload = '{\"n\": 2}' WHERE seq = $1")
+        .bind(seq)
+        .execute(&operator)
+        .await?;
+    sqlx::query("DELETE FROM outbox_consumer_quarantine WHERE id = $1")
+        .bind(quarantined)
+        .execute(&operator)
+        .await?;
+    let name = &roles.operator.name;
+    assert_eq!(
+        audit().await?,
+        [
+            (
+                "update".into(),
+                "relay".into(),
+                vec![seq],
+                name.clone(),
+                name.clone()
+            ),
+            (
+                "delete".into(),
+                "consumer".into(),
+                vec![quarantined],
+                name.clone(),
+                name.clone()
+            ),
+        ]
+    );
+    // Nor can it take an entry back.
+    let erased = sqlx::query("DELETE FROM outbox_quarantine_audit")
+        .execute(&operator)
+        .await;
+    assert!(
+        erased.as_ref().is_err_and(insufficient_privilege),
+        "{erased:?}"
+    );
+    operator.close().await;
+    owner.close().await;
+    roles.drop_all().await
+}

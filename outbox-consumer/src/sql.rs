@@ -208,8 +208,12 @@ impl ConsumerSql {
                     (outbox parked skip drops it); ' || error WHERE id = $5"
             ))
             .into_sql_str(),
-            unpark_record: AssertSqlSafe(format!("DELETE FROM {parked} WHERE id = $1"))
-                .into_sql_str(),
+            // Audited by migration 0017's trigger, as a replay.
+            unpark_record: AssertSqlSafe(format!(
+                "WITH noted AS (SELECT set_config('outbox.audit_action', 'replay', true)) \
+                 DELETE FROM {parked} WHERE id = $1 AND EXISTS (SELECT FROM noted)"
+            ))
+            .into_sql_str(),
             unpark_key: AssertSqlSafe(format!(
                 "DELETE FROM {keys} k WHERE {position} AND message_key = $4 AND NOT EXISTS \
                     (SELECT FROM {parked} p WHERE p.consumer = $1 AND p.topic = $2 \

@@ -82,6 +82,7 @@ struct Property {
 
 impl KafkaArgs {
     /// `base` with every property given applied, in the module's order; `file:` values read.
+    /// SASL credentials without verified TLS are refused unless `--insecure-transport`.
     /// Prints a warning for each secret given literally with `-X` and each `OUTBOX_KAFKA_*`
     /// variable that names no property.
     pub(crate) fn client_config(&self, base: ClientConfig) -> Result<ClientConfig> {
@@ -117,6 +118,11 @@ impl KafkaArgs {
         for property in properties {
             let value = resolve(&property)?;
             config.set(property.key, value);
+        }
+        if !crate::insecure_transport() {
+            outbox_core::check_kafka_tls(&config).context(
+                "refusing the Kafka configuration (--insecure-transport accepts the risk)",
+            )?;
         }
         Ok(config)
     }

@@ -45,6 +45,11 @@ struct Cli {
     /// list.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
+    /// Connect even where a password could be read on the network: a database URL without
+    /// sslmode=verify-full to another host, or sslmode other than disable and verify-full to
+    /// this one; Kafka SASL credentials without verified TLS. Refused otherwise, saying why.
+    #[arg(long, env = "OUTBOX_INSECURE_TRANSPORT", global = true)]
+    insecure_transport: bool,
     /// A file holding the Postgres connection URL (its first line); used instead of
     /// --database-url and DATABASE_URL.
     #[arg(long, env = "DATABASE_URL_FILE", global = true, value_name = "FILE")]
@@ -138,6 +143,15 @@ fn database_url(cli: &Cli) -> Result<String> {
         .context("no database: pass --database-url or --database-url-file, or set DATABASE_URL")
 }
 
+/// `--insecure-transport`, for the Kafka clients the commands build (`kafka_config.rs`).
+static INSECURE_TRANSPORT: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether `--insecure-transport` was given.
+pub(crate) fn insecure_transport() -> bool {
+    INSECURE_TRANSPORT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The connection settings of `url`. sqlx warns about any statement over 1 s; a status over
 /// hundreds of dedup slices, or a prune batch, takes that long in normal operation, and the
 /// warning (with the statement's text) is noise above the command's answer. Only a statement
@@ -166,6 +180,12 @@ async fn main() -> Result<()> {
         .with_outbox(&cli.outbox_table)?
         .with_consumer_tables(&cli.dedup_table, &cli.quarantine_table)?;
     let url = database_url(&cli)?;
+    let options = connect_options(&url)?;
+    INSECURE_TRANSPORT.store(cli.insecure_transport, std::sync::atomic::Ordering::Relaxed);
+    if !cli.insecure_transport {
+        outbox_core::check_database_tls(&options)
+            .context("refusing to connect (--insecure-transport accepts the risk)")?;
+    }
     let pool = PgPoolOptions::new()
         .max_connections(if matches!(cli.command, Command::Relay(_)) {
             4
@@ -173,7 +193,7 @@ async fn main() -> Result<()> {
             1
         })
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(connect_options(&url)?)
+        .connect_with(options)
         .await
         .context("cannot connect to the database")?;
     let mut conn = match cli.command {

@@ -71,6 +71,11 @@ pub enum CoreError {
         /// The privileges it lacks.
         missing: String,
     },
+    /// Connection settings that could hand a password to whoever answers on the network (see
+    /// [`crate::check_database_tls`], [`crate::check_kafka_tls`]): what is wrong, and what to
+    /// set instead.
+    #[error("{0}")]
+    InsecureTransport(String),
     /// A database error.
     #[error(transparent)]
     Database(#[from] sqlx::Error),

@@ -13,8 +13,9 @@ use crate::quarantine::quarantine;
 
 /// Deletes the messages quarantined more than `older_than` ago, of every consumer, at most
 /// `batch` per statement, each batch its own transaction (committed before the next) that also
-/// writes one `prune` row in `outbox_quarantine_audit` (how many it deleted, their least and
-/// greatest id and `quarantined_at`, not every id: a flood would double in the audit).
+/// is recorded as one `prune` row in `outbox_quarantine_audit` (how many it deleted, their
+/// least and greatest id and `quarantined_at`; their ids for batches up to a thousand rows:
+/// past that, a flood would double in the audit).
 /// Runs one instance at a time (another finds it running and returns 0 at once), beside
 /// running consumers: rows another transaction holds are skipped until the next run. Returns
 /// how many rows were deleted. A table that is not a registered consumer quarantine is

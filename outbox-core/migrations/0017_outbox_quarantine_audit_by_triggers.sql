@@ -9,7 +9,10 @@
 -- knows (the action's name, the operator's reason, a requeue's target) it says in
 -- transaction-local settings `outbox.audit_action`, `outbox.audit_reason` and
 -- `outbox.audit_detail` (JSON) before acting; a statement that says nothing is recorded as
--- `update` or `delete`.
+-- `update` or `delete`, and so is one whose claimed name is not what it did (a `requeue`
+-- that left the row quarantined), with the claim in the detail. Not covered: TRUNCATE, and
+-- an owner who disables the triggers (owners can change anything, the audit included), nor
+-- UPDATEs of the parked records (only the consumer may make them).
 --
 -- The consumer's quarantine and its parked records: one audit row per statement (a
 -- statement-level trigger over the rows it changed; the parked records on DELETE only: a
@@ -74,13 +77,42 @@ BEGIN
             LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $b$
             DECLARE
                 -- Named apart from the tables' columns (`reason`, `detail`).
-                v_action TEXT := coalesce(
-                    nullif(current_setting('outbox.audit_action', true), ''), lower(TG_OP));
+                v_said TEXT := nullif(current_setting('outbox.audit_action', true), '');
+                v_action TEXT;
                 v_reason TEXT := nullif(current_setting('outbox.audit_reason', true), '');
                 v_detail JSONB := coalesce(
                     nullif(current_setting('outbox.audit_detail', true), '')::jsonb, '{}');
                 v_table TEXT := format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
+                v_side TEXT := CASE WHEN TG_LEVEL = 'ROW' THEN 'relay' ELSE 'consumer' END;
             BEGIN
+                -- Anyone may put a trigger on a table of their own (a temporary one) that
+                -- calls this function: it writes for the registered quarantines alone.
+                IF NOT EXISTS (SELECT FROM %1$I.outbox_quarantine_tables
+                               WHERE table_oid = TG_RELID AND side = v_side) THEN
+                    RAISE EXCEPTION 'outbox_quarantine_audit_write() audits registered quarantine tables only, not %%', v_table
+                        USING ERRCODE = 'insufficient_privilege';
+                END IF;
+                -- A name the statement claims must be what it did; else it is recorded as
+                -- what it did, with the claim in its detail.
+                -- (NEW is read only in a row-level trigger's branch: a statement-level one
+                -- has none.)
+                IF v_said IS NULL THEN
+                    v_action := lower(TG_OP);
+                ELSIF TG_OP = 'DELETE' AND (v_said = 'discard' OR (v_side = 'consumer'
+                        AND v_said IN ('requeue', 'prune', 'replay'))) THEN
+                    v_action := v_said;
+                ELSIF TG_OP = 'UPDATE' AND v_side = 'relay' AND v_said = 'requeue' THEN
+                    IF NEW.status <> 'quarantined' THEN
+                        v_action := v_said;
+                    ELSE
+                        v_action := 'update';
+                    END IF;
+                ELSE
+                    v_action := lower(TG_OP);
+                END IF;
+                IF v_said IS NOT NULL AND v_said <> v_action THEN
+                    v_detail := v_detail || jsonb_build_object('claimed_action', v_said);
+                END IF;
                 IF TG_LEVEL = 'ROW' THEN
                     -- The outbox: one quarantined row.
                     INSERT INTO %1$I.outbox_quarantine_audit
@@ -90,14 +122,14 @@ BEGIN
                     RETURN NULL;
                 END IF;
                 -- A consumer's quarantine or parked records: the statement's rows, `changed`.
-                -- A prune's row lists no ids (a flood of poison would double in the audit):
-                -- how many, their least and greatest id and time.
+                -- A prune of more than a thousand rows lists no ids (a flood of poison would
+                -- double in the audit): how many, their least and greatest id and time.
                 INSERT INTO %1$I.outbox_quarantine_audit
                     (action, side, table_name, row_ids, event_ids, consumers, reason, detail)
                 SELECT v_action, 'consumer', v_table,
-                       CASE WHEN v_action = 'prune' THEN '{}'
+                       CASE WHEN v_action = 'prune' AND count(*) > 1000 THEN '{}'
                             ELSE array_agg(c.id ORDER BY c.id) END,
-                       CASE WHEN v_action = 'prune' THEN '{}'
+                       CASE WHEN v_action = 'prune' AND count(*) > 1000 THEN '{}'
                             ELSE array_agg(c.event_id ORDER BY c.id) END,
                        coalesce(array_agg(DISTINCT c.consumer), '{}'),
                        v_reason,
@@ -107,6 +139,11 @@ BEGIN
                                 'last_at', max(c.quarantined_at))
                             ELSE v_detail END
                 FROM changed c HAVING count(*) > 0;
+                -- What the statement said was for it alone: a later statement of the same
+                -- transaction is not that action.
+                PERFORM set_config('outbox.audit_action', '', true),
+                        set_config('outbox.audit_reason', '', true),
+                        set_config('outbox.audit_detail', '', true);
                 RETURN NULL;
             END
             $b$ $f$, here);

@@ -361,8 +361,9 @@ impl<'a> QuarantineTable<'a> {
     /// [`crate::delete_in_batches`] that deletes quarantined entries whose `time` column (a
     /// `timestamptz` with an index) is older than `$1` ms, `$2` at a time, from `$3` on, in
     /// `time` order, audited as a `prune` with `reason` (a consumer quarantine's audit row
-    /// per batch lists no ids, a flood of poison would double in the audit: its detail has
-    /// how many rows, their least and greatest key and `time`).
+    /// per batch has how many rows, their least and greatest key and `time`, and their ids
+    /// for batches up to a thousand rows: past that, a flood of poison would double in the
+    /// audit).
     pub async fn prune_statement(
         &self,
         conn: &mut PgConnection,

@@ -640,6 +640,58 @@ async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Re
         erased.as_ref().is_err_and(insufficient_privilege),
         "{erased:?}"
     );
+
+    // A name claimed for a change that is not that action is not taken: a "requeue" that
+    // leaves the row where it was is an update, the claim kept in its detail.
+    let kept: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox_consumer_quarantine \
+            (consumer, topic, partition, \"offset\", message_key, payload, reason, error) \
+         VALUES ('billing', 't', 0, 8, 'k', 'x', 'invalid_json', 'bad') RETURNING id",
+    )
+    .fetch_one(&owner)
+    .await?;
+    let mut tx = operator.begin().await?;
+    sqlx::query("SELECT set_config('outbox.audit_action', 'requeue', true)")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("UPDATE outbox_consumer_quarantine SET reason = reason WHERE id = $1")
+        .bind(kept)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    let (action, claimed): (String, Option<String>) = sqlx::query_as(
+        "SELECT action, detail->>'claimed_action' FROM outbox_quarantine_audit \
+         WHERE $1 = ANY(row_ids) AND side = 'consumer'",
+    )
+    .bind(kept)
+    .fetch_one(&owner)
+    .await?;
+    assert_eq!(
+        (action.as_str(), claimed.as_deref()),
+        ("update", Some("requeue"))
+    );
+
+    // The trigger's function, called from a trigger on a table of one's own, writes nothing.
+    let mut conn = operator.acquire().await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TEMP TABLE fake (id BIGINT, event_id UUID, consumer TEXT, quarantined_at TIMESTAMPTZ); \
+         CREATE TRIGGER fake_audit AFTER DELETE ON fake REFERENCING OLD TABLE AS changed \
+             FOR EACH STATEMENT EXECUTE FUNCTION {}.outbox_quarantine_audit_write(); \
+         INSERT INTO fake VALUES (1, NULL, 'billing', now())",
+        roles.schema
+    )))
+    .execute(&mut *conn)
+    .await?;
+    let faked = sqlx::query("DELETE FROM fake").execute(&mut *conn).await;
+    assert!(
+        faked.as_ref().is_err_and(insufficient_privilege),
+        "{faked:?}"
+    );
+    drop(conn);
+    let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_quarantine_audit")
+        .fetch_one(&owner)
+        .await?;
+    assert_eq!(entries, 3);
     operator.close().await;
     owner.close().await;
     roles.drop_all().await

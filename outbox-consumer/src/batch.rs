@@ -245,7 +245,10 @@ where
             let Some(key) = crate::park::key_of(message) else {
                 continue;
             };
-            if matches!(item, Item::Cached | Item::NotForUs) {
+            // A copy requeued for another consumer is not in this consumer's order of the key.
+            if matches!(item, Item::Cached | Item::NotForUs)
+                || matches!(item, Item::Rejected(rejected) if !rejected.parks())
+            {
                 continue;
             }
             if parking.contains(key) || parks.contains(topic, partition, key) {
@@ -272,19 +275,29 @@ where
             })
             .collect();
         let inner = &*self.inner;
-        let recorded: HashSet<Uuid> = if ids.is_empty() {
+        let mut recorded: HashSet<Uuid> = if ids.is_empty() {
             HashSet::new()
         } else {
+            // On a connection no handler left a transaction open on: its snapshot could be
+            // older than the original's dedup row.
+            let mut conn = crate::dedup_transaction::acquire_clean(&inner.pool).await?;
             sqlx::query_scalar(inner.sql().find_recorded.clone())
                 .bind(&inner.name)
                 .bind(&ids)
-                .fetch_all(&inner.pool)
+                .fetch_all(&mut *conn)
                 .await?
                 .into_iter()
                 .collect()
         };
+        // An original earlier in this batch is this consumer's to handle now: its copy is
+        // seen (a consumer behind by more than the requeue fetches both at once).
         let settle = |(message, decoded): (&OwnedMessage, Decoded<P>)| match decoded {
-            Decoded::Item(item) => item,
+            Decoded::Item(item) => {
+                if let Item::Event(event) = &item {
+                    recorded.insert(*event.id.as_uuid());
+                }
+                item
+            }
             Decoded::Copy(targets, Some(id)) if recorded.contains(&id) => {
                 tracing::info!(consumer = %inner.name, topic = message.topic(),
                     partition = message.partition(), offset = message.offset(),
@@ -334,11 +347,16 @@ where
         match item {
             Item::Cached => Ok(Outcome::DuplicateCached),
             Item::NotForUs => Ok(Outcome::NotForUs),
-            Item::Rejected(Rejected {
-                reason,
-                error,
-                event_id,
-            }) => self.set_aside(message, *event_id, reason, error).await,
+            Item::Rejected(rejected) => {
+                let Rejected {
+                    reason,
+                    error,
+                    event_id,
+                } = rejected;
+                let aside = self.aside_for(message, rejected);
+                self.set_aside_as(aside, message, *event_id, reason, error)
+                    .await
+            }
             Item::Parked => {
                 self.set_aside_as(
                     Aside::Park { head: false },
@@ -643,8 +661,19 @@ where
             reason: rejected.reason,
             error: &rejected.error,
         };
-        self.record_aside(tx, message, Aside::of(&self.inner, message), entry)
+        self.record_aside(tx, message, self.aside_for(message, rejected), entry)
             .await
+    }
+
+    /// Where a record that breaks the contract goes: it parks its key under `ParkKey`, unless
+    /// it is a copy requeued for another consumer (`requeue.rs`), which has no place in this
+    /// consumer's order of the key.
+    fn aside_for(&self, message: &OwnedMessage, rejected: &Rejected) -> Aside {
+        if rejected.parks() {
+            Aside::of(&self.inner, message)
+        } else {
+            Aside::Quarantine
+        }
     }
 
     /// Parks a record behind its parked key on the batch's transaction.

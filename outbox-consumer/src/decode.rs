@@ -23,6 +23,12 @@ pub(crate) struct Rejected {
 }
 
 impl Rejected {
+    /// Whether it parks its key under `ParkKey`: all but a copy requeued for another
+    /// consumer, which is quarantined whatever the policy (`requeue.rs`).
+    pub(crate) fn parks(&self) -> bool {
+        self.reason != crate::requeue::UNSEEN
+    }
+
     fn new(reason: &'static str, error: String, event_id: Option<Uuid>) -> Self {
         Self {
             reason,

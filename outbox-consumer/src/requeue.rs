@@ -49,8 +49,11 @@ pub(crate) fn event_id(read: &[Read<'_>]) -> Option<Uuid> {
     wire::event_id(whole).ok().map(|id| *id.as_uuid())
 }
 
+/// The quarantine reason of a copy for another consumer of an event this one never recorded.
+pub(crate) const UNSEEN: &str = "requeue_unseen";
+
 /// Why a copy for `targets` (escaped) with event id `id` is quarantined by a consumer that
-/// never recorded that id.
+/// never recorded that id (nor handles it earlier in the same batch). Never parks a key.
 pub(crate) fn unseen(targets: &str, id: Option<Uuid>) -> Rejected {
     let error = match id {
         Some(id) => format!(
@@ -64,7 +67,7 @@ pub(crate) fn unseen(targets: &str, id: Option<Uuid>) -> Rejected {
         ),
     };
     Rejected {
-        reason: "requeue_unseen",
+        reason: UNSEEN,
         error,
         event_id: id,
     }

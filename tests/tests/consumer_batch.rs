@@ -558,6 +558,47 @@ async fn a_forged_requeue_header_is_quarantined_not_skipped() -> Result<()> {
     Ok(())
 }
 
+/// A consumer behind by more than a requeue fetches the original and its copy in one batch:
+/// the copy is seen, and skipped. Under `ParkKey`, a copy it never saw is quarantined without
+/// parking its key: the key's next record is handled. Fails before the fix: the first copy was
+/// `requeue_unseen` (looked up before the batch recorded its original), and the second parked
+/// key `k`, so the last record was parked behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeued_copies_neither_park_a_key_nor_miss_an_original_in_their_batch() -> Result<()> {
+    use outbox_core::wire::HEADER_REQUEUE_FOR as FOR;
+    let db = TestDb::new().await?;
+    effects_table(&db.pool).await?;
+    let config = ConsumerConfig::new("c1")
+        .on_handler_failure(outbox_consumer::HandlerFailurePolicy::ParkKey);
+    let c = DedupConsumer::new(db.pool.clone(), config, record)?;
+    let ids: Vec<String> = (0..3).map(|_| EventId::new().to_string()).collect();
+    let messages = [
+        record_with(0, &[("id", ids[0].as_bytes())], br#"{"n":0}"#),
+        record_with(1, &[("id", ids[0].as_bytes()), (FOR, b"c2")], br#"{"n":0}"#),
+        record_with(2, &[("id", ids[1].as_bytes()), (FOR, b"c2")], br#"{"n":1}"#),
+        record_with(3, &[("id", ids[2].as_bytes())], br#"{"n":3}"#),
+    ];
+    let outcomes = c
+        .process_batch(&messages, &CancellationToken::new())
+        .await?;
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed,
+            Outcome::NotForUs,
+            Outcome::Quarantined("requeue_unseen"),
+            Outcome::Processed
+        ]
+    );
+    assert_eq!(effects(&db.pool).await?, [0, 3]);
+    let parked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_consumer_quarantine_parked_keys")
+            .fetch_one(&db.pool)
+            .await?;
+    assert_eq!(parked, 0, "no key parked");
+    Ok(())
+}
+
 /// A record on partition 0 of `t` at `offset` whose headers may lack a value.
 fn record_maybe(offset: i64, headers: &[(&str, Option<&[u8]>)], payload: &[u8]) -> OwnedMessage {
     let headers = headers

@@ -32,7 +32,10 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 /// A transaction lasts at most 15 minutes (PostgreSQL 17's `transaction_timeout`; a server,
 /// database or role value below the Kafka wait would end the batch after Kafka acknowledged
 /// its rows, as an idle bound did): longer than a batch's Kafka wait (librdkafka's
-/// `message.timeout.ms`, 5 minutes at most by default) and its statements.
+/// `message.timeout.ms`, 5 minutes at most by default) and its statements. Set to 0 first:
+/// PostgreSQL starts that timer when the transaction begins, and a new value only starts a
+/// timer that is not running; 0 stops the server's, then 15 minutes starts the relay's (the
+/// values are set in the order listed).
 ///
 /// A transaction idle that long ends: the bound of a relay that stopped (a stalled process
 /// keeps its connection, and the locks on its claimed rows, which hold their keys back from
@@ -49,7 +52,7 @@ const BEGIN_WITH_SETTINGS: &str = "BEGIN; \
     FROM (VALUES ('jit', 'off'), ('plan_cache_mode', 'force_custom_plan'), \
                  ('enable_sort', 'off'), ('statement_timeout', '5min'), \
                  ('idle_in_transaction_session_timeout', '30s'), \
-                 ('transaction_timeout', '15min')) AS s(name, value) \
+                 ('transaction_timeout', '0'), ('transaction_timeout', '15min')) AS s(name, value) \
     WHERE current_setting(s.name, true) IS NOT NULL";
 
 /// How often a batch waiting for Kafka runs a statement in its transaction; well below the

@@ -116,103 +116,109 @@ fn seconds(fields: &BTreeMap<String, String>, key: &str) -> f64 {
         .unwrap_or_else(|_| panic!("summary `{key}` is not a number of seconds: {value}"))
 }
 
-#[test]
-fn ci_profile_keeps_every_guarantee_under_fifty_kill_cycles() {
-    let fields = run_harness("ci");
-    assert_eq!(fields.get("profile").map(String::as_str), Some("ci"));
-    // The dispatcher fleet beside it: killed at random and after its calls, against a
-    // billing API that fails, lags, stalls after applying and goes away; every committed
-    // action charged once, in its key's order, with the charge's answer as its outcome.
-    for zero in [
-        "actions_lost",
-        "actions_double_applied",
-        "actions_out_of_order",
-        "actions_phantom",
-        "actions_bad_outcome",
-    ] {
-        assert_eq!(number(&fields, zero), 0, "{zero} must be 0: {fields:?}");
-    }
-    let actions = number(&fields, "actions_committed");
-    assert!(
-        actions >= 500,
-        "only {actions} actions committed: {fields:?}"
-    );
-    assert_eq!(number(&fields, "charges"), actions, "{fields:?}");
-    for fault in [
-        "dispatcher_kill9",
-        "dispatcher_after_call",
-        "api_outage",
-        "api_stall",
-        "dispatcher_pg_terminate",
-        "api_rate_limited",
-        "pg_restart",
-    ] {
+/// The profiles, in a module of their own: `scripts/test` runs them beside the rest of the
+/// suite and skips `chaos_profiles::` in the main run.
+mod chaos_profiles {
+    use super::{number, run_harness, run_profile, seconds};
+
+    #[test]
+    fn ci_profile_keeps_every_guarantee_under_fifty_kill_cycles() {
+        let fields = run_harness("ci");
+        assert_eq!(fields.get("profile").map(String::as_str), Some("ci"));
+        // The dispatcher fleet beside it: killed at random and after its calls, against a
+        // billing API that fails, lags, stalls after applying and goes away; every committed
+        // action charged once, in its key's order, with the charge's answer as its outcome.
+        for zero in [
+            "actions_lost",
+            "actions_double_applied",
+            "actions_out_of_order",
+            "actions_phantom",
+            "actions_bad_outcome",
+        ] {
+            assert_eq!(number(&fields, zero), 0, "{zero} must be 0: {fields:?}");
+        }
+        let actions = number(&fields, "actions_committed");
         assert!(
-            number(&fields, fault) >= 1,
-            "no {fault} in the run: {fields:?}"
+            actions >= 500,
+            "only {actions} actions committed: {fields:?}"
         );
+        assert_eq!(number(&fields, "charges"), actions, "{fields:?}");
+        for fault in [
+            "dispatcher_kill9",
+            "dispatcher_after_call",
+            "api_outage",
+            "api_stall",
+            "dispatcher_pg_terminate",
+            "api_rate_limited",
+            "pg_restart",
+        ] {
+            assert!(
+                number(&fields, fault) >= 1,
+                "no {fault} in the run: {fields:?}"
+            );
+        }
+        // Retries and replays reached the API: more requests than charges.
+        assert!(number(&fields, "api_requests") > actions, "{fields:?}");
     }
-    // Retries and replays reached the API: more requests than charges.
-    assert!(number(&fields, "api_requests") > actions, "{fields:?}");
-}
 
-#[test]
-fn cluster_profile_keeps_every_guarantee_when_partition_leaders_die() {
-    let fields = run_harness("cluster");
-    assert_eq!(fields.get("profile").map(String::as_str), Some("cluster"));
-    let leader_faults = number(&fields, "broker_restart") + number(&fields, "broker_kill9");
-    assert!(
-        leader_faults >= 3,
-        "only {leader_faults} partition leaders taken down: {fields:?}"
-    );
-    // Then one node of three down, with the topic taking writes and with it refusing them
-    // (min.insync.replicas 3): Metadata answers throughout, and no row is charged for it.
-    for fault in ["partial_outage", "isr_outage"] {
-        assert_eq!(
-            number(&fields, fault),
-            1,
-            "no {fault} in the run: {fields:?}"
+    #[test]
+    fn cluster_profile_keeps_every_guarantee_when_partition_leaders_die() {
+        let fields = run_harness("cluster");
+        assert_eq!(fields.get("profile").map(String::as_str), Some("cluster"));
+        let leader_faults = number(&fields, "broker_restart") + number(&fields, "broker_kill9");
+        assert!(
+            leader_faults >= 3,
+            "only {leader_faults} partition leaders taken down: {fields:?}"
         );
-        seconds(&fields, &format!("liveness_{fault}_s"));
+        // Then one node of three down, with the topic taking writes and with it refusing them
+        // (min.insync.replicas 3): Metadata answers throughout, and no row is charged for it.
+        for fault in ["partial_outage", "isr_outage"] {
+            assert_eq!(
+                number(&fields, fault),
+                1,
+                "no {fault} in the run: {fields:?}"
+            );
+            seconds(&fields, &format!("liveness_{fault}_s"));
+        }
+        assert_eq!(number(&fields, "liveness_exceeded"), 0, "{fields:?}");
+        assert_eq!(number(&fields, "outbox_quarantined"), 0, "{fields:?}");
     }
-    assert_eq!(number(&fields, "liveness_exceeded"), 0, "{fields:?}");
-    assert_eq!(number(&fields, "outbox_quarantined"), 0, "{fields:?}");
-}
 
-#[test]
-fn liveness_profile_drains_within_the_bound_after_each_long_fault() {
-    let fields = run_profile("liveness");
-    assert_eq!(fields.get("profile").map(String::as_str), Some("liveness"));
-    for fault in [
-        "broker_outage",
-        "pg_stop",
-        "stuck_key",
-        "blocked_key",
-        "topic_recreate",
-    ] {
-        assert_eq!(
-            number(&fields, fault),
-            1,
-            "no {fault} in the run: {fields:?}"
+    #[test]
+    fn liveness_profile_drains_within_the_bound_after_each_long_fault() {
+        let fields = run_profile("liveness");
+        assert_eq!(fields.get("profile").map(String::as_str), Some("liveness"));
+        for fault in [
+            "broker_outage",
+            "pg_stop",
+            "stuck_key",
+            "blocked_key",
+            "topic_recreate",
+        ] {
+            assert_eq!(
+                number(&fields, fault),
+                1,
+                "no {fault} in the run: {fields:?}"
+            );
+            // Every long fault has its own figure.
+            seconds(&fields, &format!("liveness_{fault}_s"));
+        }
+        let worst = seconds(&fields, "liveness_worst_s");
+        let bound = seconds(&fields, "liveness_bound_s");
+        assert!(
+            worst <= bound,
+            "liveness {worst} s over the bound {bound} s: {fields:?}"
         );
-        // Every long fault has its own figure.
-        seconds(&fields, &format!("liveness_{fault}_s"));
+        assert_eq!(number(&fields, "liveness_exceeded"), 0);
+        // A broker outage far longer than max_attempts x message.timeout.ms quarantines nothing;
+        // the two rows made to fail for good (one per quarantine policy) are quarantined with
+        // their reason, and under BlockKey nothing of the key went out before the discard.
+        assert_eq!(number(&fields, "outbox_quarantined"), 0, "{fields:?}");
+        assert_eq!(
+            fields.get("expected_quarantined").map(String::as_str),
+            Some("2/2"),
+            "{fields:?}"
+        );
+        assert_eq!(number(&fields, "published_past_block"), 0, "{fields:?}");
     }
-    let worst = seconds(&fields, "liveness_worst_s");
-    let bound = seconds(&fields, "liveness_bound_s");
-    assert!(
-        worst <= bound,
-        "liveness {worst} s over the bound {bound} s: {fields:?}"
-    );
-    assert_eq!(number(&fields, "liveness_exceeded"), 0);
-    // A broker outage far longer than max_attempts x message.timeout.ms quarantines nothing;
-    // the two rows made to fail for good (one per quarantine policy) are quarantined with
-    // their reason, and under BlockKey nothing of the key went out before the discard.
-    assert_eq!(number(&fields, "outbox_quarantined"), 0, "{fields:?}");
-    assert_eq!(
-        fields.get("expected_quarantined").map(String::as_str),
-        Some("2/2"),
-        "{fields:?}"
-    );
-    assert_eq!(number(&fields, "published_past_block"), 0, "{fields:?}");
 }

@@ -5,7 +5,8 @@
 --     psql "$OWNER_URL" -v ON_ERROR_STOP=1 -f roles.sql
 -- The roles must exist: creating them, their passwords and their LOGIN or REPLICATION
 -- attributes is the operator's, never a migration's. Replace the names outbox_writer,
--- outbox_relay, outbox_dedup_consumer, outbox_status_reader and outbox_debezium with yours
+-- outbox_relay, outbox_dispatcher, outbox_dedup_consumer, outbox_status_reader,
+-- outbox_debezium and outbox_quarantine_operator with yours
 -- (or create roles by those names and GRANT them to your login roles), and the table names
 -- if you chose others (`TableNames`, the CLI's --outbox-table and friends). Delete the lines
 -- of the parts you do not run. Running it twice is harmless.
@@ -23,21 +24,34 @@
 DO $$
 BEGIN
     EXECUTE format(
-        'GRANT USAGE ON SCHEMA %I TO outbox_writer, outbox_relay, outbox_dedup_consumer, '
-        'outbox_status_reader, outbox_debezium, outbox_quarantine_operator',
+        'GRANT USAGE ON SCHEMA %I TO outbox_writer, outbox_relay, outbox_dispatcher, '
+        'outbox_dedup_consumer, outbox_status_reader, outbox_debezium, '
+        'outbox_quarantine_operator',
         (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE c.oid = 'outbox_events'::regclass));
 END
 $$;
 
 -- The application writer: the transaction that changes state and enqueues its events.
--- INSERT only (the identity column needs no sequence grant; the advisory lock per key and
--- NOTIFY need none).
+-- INSERT (the identity column needs no sequence grant; the advisory lock per key and NOTIFY
+-- need none), and the columns `dispatch::outcome` reads, to learn what became of its
+-- actions (not the payloads and headers: what it wrote is its own to keep).
 GRANT INSERT ON outbox_events TO outbox_writer;
+GRANT SELECT (seq, id, topic, status, attempts, lease, calls, last_error, outcome)
+    ON outbox_events TO outbox_writer;
 
--- The relay: claims pending rows (SELECT .. FOR UPDATE SKIP LOCKED, which needs UPDATE), marks
--- them published or records failures and quarantines (UPDATE), LISTENs (no grant).
-GRANT SELECT, UPDATE ON outbox_events TO outbox_relay;
+-- Every role below that changes outbox rows changes only the columns that say what became of
+-- them: none can rewrite a row's payload, headers, topic or key (turn a published row into a
+-- pending `dispatch:billing` action with a payload of its choosing, say). The REVOKEs take
+-- back the table-wide UPDATE this file granted before.
+
+-- The relay: claims pending rows (SELECT .. FOR UPDATE SKIP LOCKED, which needs UPDATE of a
+-- column), marks them published or records failures and quarantines, LISTENs (no grant).
+-- The dispatcher (`outbox_producer::dispatch`): the same, and its leases, calls and answers.
+REVOKE UPDATE ON outbox_events FROM outbox_relay, outbox_dispatcher;
+GRANT SELECT ON outbox_events TO outbox_relay, outbox_dispatcher;
+GRANT UPDATE (status, attempts, next_attempt_at, last_error, published_at, outcome, lease, calls)
+    ON outbox_events TO outbox_relay, outbox_dispatcher;
 -- Only with `AfterPublish::Delete` (rows deleted once published):
 -- GRANT DELETE ON outbox_events TO outbox_relay;
 
@@ -80,8 +94,14 @@ GRANT SELECT ON outbox_events TO outbox_debezium;
 GRANT SELECT ON outbox_quarantine_tables TO outbox_quarantine_operator;
 GRANT SELECT ON outbox_quarantine_audit TO outbox_quarantine_operator;
 REVOKE INSERT ON outbox_quarantine_audit FROM outbox_quarantine_operator;
-GRANT SELECT, UPDATE, DELETE ON outbox_events, outbox_consumer_quarantine
+-- A relay requeue sets the row's state only; a consumer requeue locks its rows (FOR UPDATE
+-- needs UPDATE of a column: `id`, an identity column an UPDATE can only renumber, audited
+-- like any change) and deletes them.
+REVOKE UPDATE ON outbox_events, outbox_consumer_quarantine FROM outbox_quarantine_operator;
+GRANT SELECT, DELETE ON outbox_events, outbox_consumer_quarantine TO outbox_quarantine_operator;
+GRANT UPDATE (status, attempts, next_attempt_at, last_error) ON outbox_events
     TO outbox_quarantine_operator;
+GRANT UPDATE (id) ON outbox_consumer_quarantine TO outbox_quarantine_operator;
 -- `outbox parked list|show|release|skip`: reads parked keys and records, asks for a release
 -- (UPDATE of one column), drops a parked record (audited, as a discard).
 GRANT SELECT ON outbox_consumer_quarantine_parked, outbox_consumer_quarantine_parked_keys

@@ -48,6 +48,8 @@ pub struct Roles {
     pub writer: Login,
     /// The relay.
     pub relay: Login,
+    /// The dispatcher.
+    pub dispatcher: Login,
     /// The dedup consumer.
     pub consumer: Login,
     /// `outbox status`.
@@ -75,6 +77,7 @@ impl Roles {
             owner: Login::new("owner"),
             writer: Login::new("writer"),
             relay: Login::new("relay"),
+            dispatcher: Login::new("dispatcher"),
             consumer: Login::new("consumer"),
             status: Login::new("status"),
             debezium: Login::new("debezium"),
@@ -114,11 +117,12 @@ impl Roles {
         Ok(roles)
     }
 
-    fn logins(&self) -> [&Login; 7] {
+    fn logins(&self) -> [&Login; 8] {
         [
             &self.owner,
             &self.writer,
             &self.relay,
+            &self.dispatcher,
             &self.consumer,
             &self.status,
             &self.debezium,
@@ -131,6 +135,7 @@ impl Roles {
         [
             ("outbox_writer", &self.writer),
             ("outbox_relay", &self.relay),
+            ("outbox_dispatcher", &self.dispatcher),
             ("outbox_dedup_consumer", &self.consumer),
             ("outbox_status_reader", &self.status),
             ("outbox_debezium", &self.debezium),

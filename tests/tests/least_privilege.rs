@@ -139,13 +139,21 @@ async fn each_part_runs_as_its_documented_role() -> Result<()> {
         outbox_producer::enqueue(&mut tx, &event).await?;
     }
     tx.commit().await?;
-    let read = sqlx::query("SELECT 1 FROM outbox_events")
+    let read = sqlx::query("SELECT payload FROM outbox_events")
         .execute(&writer)
         .await;
     assert!(
         read.as_ref().is_err_and(insufficient_privilege),
-        "the writer reads no outbox row: {read:?}"
+        "the writer reads no payload: {read:?}"
     );
+    // It reads what became of its actions (`dispatch::outcome`'s columns).
+    let unknown = outbox_producer::dispatch::outcome(
+        &mut *writer.acquire().await?,
+        &TableNames::default(),
+        EventId::new(),
+    )
+    .await?;
+    assert!(unknown.is_none(), "{unknown:?}");
 
     // The relay.
     let relay_pool = roles.pool(&roles.relay).await?;
@@ -167,6 +175,22 @@ async fn each_part_runs_as_its_documented_role() -> Result<()> {
         deleted.as_ref().is_err_and(insufficient_privilege),
         "the relay deletes nothing without AfterPublish::Delete's grant: {deleted:?}"
     );
+    // Nor does it rewrite what a row says: only what became of it.
+    for column in [
+        "payload = '{}'",
+        "topic = 'dispatch:billing'",
+        "aggregateid = 'x'",
+    ] {
+        let rewritten = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE outbox_events SET {column}"
+        )))
+        .execute(&relay_pool)
+        .await;
+        assert!(
+            rewritten.as_ref().is_err_and(insufficient_privilege),
+            "the relay set {column}: {rewritten:?}"
+        );
+    }
 
     // The consumer, twice: the second, with no cache, meets every dedup row.
     let consumer_pool = roles.pool(&roles.consumer).await?;
@@ -302,7 +326,8 @@ async fn each_part_runs_as_its_documented_role() -> Result<()> {
     roles
         .as_admin(&format!(
             "REVOKE INSERT ON {0}.outbox_events FROM {writer_name}; \
-             REVOKE UPDATE ON {0}.outbox_events FROM {relay_name}",
+             REVOKE UPDATE (status, attempts, next_attempt_at, last_error, published_at, \
+                 outcome, lease, calls) ON {0}.outbox_events FROM {relay_name}",
             roles.schema
         ))
         .await?;
@@ -604,7 +629,20 @@ async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Re
         forged.as_ref().is_err_and(insufficient_privilege),
         "the operator wrote an audit entry: {forged:?}"
     );
-    sqlx::query("UPDATE outbox_events SET payload = '{\"n\": 2}' WHERE seq = $1")
+    // The operator may set a row's state, nothing else (its payload, its topic).
+    for column in ["payload = '{}'", "topic = 'dispatch:billing'"] {
+        let rewritten = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE outbox_events SET {column} WHERE seq = $1"
+        )))
+        .bind(seq)
+        .execute(&operator)
+        .await;
+        assert!(
+            rewritten.as_ref().is_err_and(insufficient_privilege),
+            "{column}: {rewritten:?}"
+        );
+    }
+    sqlx::query("UPDATE outbox_events SET last_error = 'looked at' WHERE seq = $1")
         .bind(seq)
         .execute(&operator)
         .await?;
@@ -642,28 +680,20 @@ async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Re
     );
 
     // A name claimed for a change that is not that action is not taken: a "requeue" that
-    // leaves the row where it was is an update, the claim kept in its detail.
-    let kept: i64 = sqlx::query_scalar(
-        "INSERT INTO outbox_consumer_quarantine \
-            (consumer, topic, partition, \"offset\", message_key, payload, reason, error) \
-         VALUES ('billing', 't', 0, 8, 'k', 'x', 'invalid_json', 'bad') RETURNING id",
-    )
-    .fetch_one(&owner)
-    .await?;
+    // leaves the row quarantined is an update, the claim kept in its detail.
     let mut tx = operator.begin().await?;
     sqlx::query("SELECT set_config('outbox.audit_action', 'requeue', true)")
         .execute(&mut *tx)
         .await?;
-    sqlx::query("UPDATE outbox_consumer_quarantine SET reason = reason WHERE id = $1")
-        .bind(kept)
+    sqlx::query("UPDATE outbox_events SET last_error = last_error WHERE seq = $1")
+        .bind(seq)
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
     let (action, claimed): (String, Option<String>) = sqlx::query_as(
         "SELECT action, detail->>'claimed_action' FROM outbox_quarantine_audit \
-         WHERE $1 = ANY(row_ids) AND side = 'consumer'",
+         ORDER BY at DESC, id DESC LIMIT 1",
     )
-    .bind(kept)
     .fetch_one(&owner)
     .await?;
     assert_eq!(
@@ -694,5 +724,67 @@ async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Re
     assert_eq!(entries, 3);
     operator.close().await;
     owner.close().await;
+    roles.drop_all().await
+}
+
+/// The dispatcher as its own role (`outbox_dispatcher`): it claims, leases, calls and records
+/// its actions' answers and a rejection, and the writer that enqueued them reads what became
+/// of each (`dispatch::outcome`). Neither rewrites what an action says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatcher_and_the_writer_do_their_jobs_as_their_roles() -> Result<()> {
+    use outbox_producer::dispatch::{Action, ActionState, Dispatcher, Outcome};
+    let roles = Roles::new().await?;
+    let writer = roles.pool(&roles.writer).await?;
+    let mut tx = writer.begin().await?;
+    let mut ids = Vec::new();
+    for (key, n) in [("a", 0), ("b", 1)] {
+        let action = outbox_tests::dispatch::action(key, n)?;
+        ids.push(action.id());
+        outbox_producer::enqueue(&mut tx, &action).await?;
+    }
+    tx.commit().await?;
+    let declined = ids[1];
+    let executor = move |action: Action| async move {
+        if action.id == declined {
+            Outcome::rejected(
+                "402 card declined",
+                serde_json::json!({ "error": "declined" }),
+            )
+        } else {
+            Outcome::done(serde_json::json!({ "charged": true }))
+        }
+    };
+    let dispatcher_pool = roles.pool(&roles.dispatcher).await?;
+    let dispatcher = Dispatcher::new(
+        dispatcher_pool.clone(),
+        outbox_tests::dispatch::config(),
+        executor,
+    )?;
+    let report = dispatcher.run_once().await?;
+    assert_eq!((report.published, report.quarantined), (1, 1), "{report:?}");
+    let tables = TableNames::default();
+    let mut conn = writer.acquire().await?;
+    let done = outbox_producer::dispatch::outcome(&mut conn, &tables, ids[0]).await?;
+    assert_eq!(
+        done,
+        Some(ActionState::Done(serde_json::json!({ "charged": true })))
+    );
+    let rejected = outbox_producer::dispatch::outcome(&mut conn, &tables, ids[1]).await?;
+    assert!(
+        matches!(rejected, Some(ActionState::Rejected { .. })),
+        "{rejected:?}"
+    );
+    drop(conn);
+    for pool in [&dispatcher_pool, &writer] {
+        let rewritten = sqlx::query("UPDATE outbox_events SET payload = '{}', status = 'pending'")
+            .execute(pool)
+            .await;
+        assert!(
+            rewritten.as_ref().is_err_and(insufficient_privilege),
+            "{rewritten:?}"
+        );
+    }
+    dispatcher_pool.close().await;
+    writer.close().await;
     roles.drop_all().await
 }

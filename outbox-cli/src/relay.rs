@@ -54,7 +54,8 @@ pub(crate) async fn run(pool: PgPool, tables: TableNames, args: RelayArgs) -> Re
             QuarantinePolicy::BlockKey
         } else {
             QuarantinePolicy::SkipQuarantined
-        });
+        })
+        .insecure_transport(crate::insecure_transport());
     if let Some(addr) = args.metrics_addr {
         outbox_producer::serve_metrics(addr)?;
         eprintln!("metrics on http://{addr}/metrics");

@@ -78,6 +78,9 @@ pub struct ConsumerConfig {
     /// its later records are still parked (never dropped), and the consumer says so: a
     /// warning, `outbox_consumer_parked_over_limit_total`, and `outbox status`.
     pub max_parked_per_key: u64,
+    /// Accept a pool that could hand a password to whoever answers on the network (see
+    /// [`outbox_core::check_database_tls`]); refused otherwise. Off by default.
+    pub insecure_transport: bool,
 }
 
 impl ConsumerConfig {
@@ -141,6 +144,11 @@ impl ConsumerConfig {
         self.max_parked_per_key = n;
         self
     }
+    /// Sets [`Self::insecure_transport`].
+    pub fn insecure_transport(mut self, on: bool) -> Self {
+        self.insecure_transport = on;
+        self
+    }
     /// Accepts only these event types.
     pub fn event_types<I: IntoIterator<Item = S>, S: Into<String>>(mut self, types: I) -> Self {
         self.event_types = Some(types.into_iter().map(Into::into).collect());
@@ -199,6 +207,7 @@ impl Default for ConsumerConfig {
             shutdown_timeout: Duration::from_secs(10),
             prefetch_budget_bytes: 64 * 1024 * 1024,
             max_parked_per_key: 10_000,
+            insecure_transport: false,
         }
     }
 }

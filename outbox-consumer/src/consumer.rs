@@ -368,6 +368,9 @@ where
     /// ```
     pub fn new(pool: PgPool, config: ConsumerConfig, handler: H) -> Result<Self, ConsumerError> {
         let name = config.validate()?;
+        if !config.insecure_transport {
+            outbox_core::check_database_tls(&pool.connect_options())?;
+        }
         crate::headers::self_test().map_err(ConsumerError::Config)?;
         let cache = Cache::builder()
             .max_capacity(config.cache_capacity)

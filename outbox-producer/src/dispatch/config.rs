@@ -130,6 +130,11 @@ impl DispatcherConfig {
         self.lane.listen = on;
         self
     }
+    /// Sets [`RelayConfig::insecure_transport`] (the pool's settings).
+    pub fn insecure_transport(mut self, on: bool) -> Self {
+        self.lane.insecure_transport = on;
+        self
+    }
     /// Sets [`RelayConfig::quarantine_policy`].
     pub fn quarantine_policy(mut self, policy: QuarantinePolicy) -> Self {
         self.lane.quarantine_policy = policy;

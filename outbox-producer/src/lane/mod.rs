@@ -183,6 +183,9 @@ impl<D> Lane<D> {
         workers: usize,
     ) -> Result<Self, ProducerError> {
         config.validate()?;
+        if !config.insecure_transport {
+            outbox_core::check_database_tls(&pool.connect_options())?;
+        }
         let workers = workers.max(1);
         let needed = u32::try_from(workers)
             .unwrap_or(u32::MAX)

@@ -51,6 +51,10 @@ pub struct RelayConfig {
     pub quarantine_policy: QuarantinePolicy,
     /// How long shutdown waits for the Kafka producer to flush.
     pub shutdown_timeout: Duration,
+    /// Accept a pool, or Kafka settings, that could hand a password to whoever answers on the
+    /// network (see [`outbox_core::check_database_tls`], [`outbox_core::check_kafka_tls`]);
+    /// refused otherwise. Off by default.
+    pub insecure_transport: bool,
 }
 
 impl Default for RelayConfig {
@@ -66,6 +70,7 @@ impl Default for RelayConfig {
             after_publish: AfterPublish::default(),
             quarantine_policy: QuarantinePolicy::default(),
             shutdown_timeout: Duration::from_secs(10),
+            insecure_transport: false,
         }
     }
 }
@@ -84,6 +89,11 @@ impl RelayConfig {
     /// Sets [`Self::listen`].
     pub fn listen(mut self, on: bool) -> Self {
         self.listen = on;
+        self
+    }
+    /// Sets [`Self::insecure_transport`].
+    pub fn insecure_transport(mut self, on: bool) -> Self {
+        self.insecure_transport = on;
         self
     }
     /// Sets [`Self::max_attempts`].

@@ -158,6 +158,9 @@ impl<C: ClientContext + 'static> Relay<C> {
         let mut kafka = kafka.clone();
         kafka::enforce_required(&mut kafka);
         config.validate()?;
+        if !config.insecure_transport {
+            outbox_core::check_kafka_tls(&kafka)?;
+        }
         let context = RelayContext::new(context);
         let client_error = context.last_error();
         let producer = outbox_core::kafka_secrets::create_with_context(&kafka, context)?;

@@ -659,6 +659,39 @@ async fn a_registered_oid_that_now_names_another_table_is_refused() -> Result<()
     Ok(())
 }
 
+/// A role that may create in the schema makes the audit's stamp function before the owner's
+/// first migration (on PostgreSQL 12-14 every role may create in `public`): the migration
+/// refuses to reuse it, naming the object and its owner, instead of running that role's code
+/// on every audited change. Fails before the fix: the function was reused.
+#[tokio::test]
+async fn a_shared_object_someone_else_made_first_is_not_reused() -> Result<()> {
+    let db = TestDb::unmigrated(2).await?;
+    let schema = &db.schema;
+    let intruder = outbox_tests::unique("intruder");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {intruder} NOLOGIN; \
+         GRANT USAGE, CREATE ON SCHEMA {schema} TO {intruder}; \
+         SET ROLE {intruder}; \
+         CREATE FUNCTION {schema}.outbox_quarantine_audit_stamp() RETURNS trigger \
+             LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$; \
+         RESET ROLE"
+    )))
+    .execute(&db.pool)
+    .await?;
+    let migrated = outbox_core::migrate(&db.pool).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA {schema} CASCADE; DROP OWNED BY {intruder}; DROP ROLE {intruder}"
+    )))
+    .execute(&db.pool)
+    .await?;
+    let error = migrated.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        error.contains("outbox_quarantine_audit_stamp()") && error.contains(&intruder),
+        "{error}"
+    );
+    Ok(())
+}
+
 /// A second migration set (custom names) in the same schema, owned by another role, migrates:
 /// the shared trigger and function are the first set's, and are left alone.
 #[tokio::test]

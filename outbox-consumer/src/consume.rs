@@ -129,6 +129,9 @@ where
         if config.name.is_none() {
             config.name = kafka.get("group.id").map(str::to_owned);
         }
+        if !config.insecure_transport {
+            outbox_core::check_kafka_tls_with(&kafka, C::ENABLE_REFRESH_OAUTH_TOKEN)?;
+        }
         let consumer = DedupConsumer::new(pool, config, handler)?;
         let stream = stream_consumer_with_context(&kafka, context)?;
         let topics: Vec<&str> = topics.iter().map(String::as_str).collect();

@@ -20,7 +20,42 @@
 -- quarantined row changed (a row-level trigger on quarantined rows alone: the relay changes
 -- other rows all the time, and a statement-level trigger would copy each of its statements'
 -- rows to run).
---
+
+-- Objects shared by every set of tables in the schema, which the migrations reuse where they
+-- exist (`CREATE TABLE IF NOT EXISTS`, a function looked up by name): each must belong to the
+-- migrating role or to the schema's owner. On PostgreSQL 12-14 every role may create in
+-- `public`; one that made the registry, the audit or the audit's functions before the first
+-- migration would own them (read and forge the audit, run its own code on every change of a
+-- quarantined row as the trigger's SECURITY DEFINER).
+DO $$
+DECLARE
+    here TEXT := current_schema();
+    schema_owner NAME := (SELECT r.rolname FROM pg_catalog.pg_namespace n
+                          JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner
+                          WHERE n.nspname = current_schema());
+    found RECORD;
+BEGIN
+    FOR found IN
+        SELECT c.relname::text AS object, r.rolname AS owner
+        FROM pg_catalog.pg_class c JOIN pg_catalog.pg_roles r ON r.oid = c.relowner
+        WHERE c.oid IN (to_regclass(format('%I.outbox_quarantine_tables', here)),
+                        to_regclass(format('%I.outbox_quarantine_audit', here)))
+        UNION ALL
+        SELECT p.oid::regprocedure::text, r.rolname
+        FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_roles r ON r.oid = p.proowner
+        WHERE p.oid IN (to_regprocedure(format('%I.outbox_quarantine_audit_stamp()', here)),
+                        to_regprocedure(format('%I.outbox_quarantine_audit_write()', here)),
+                        to_regprocedure(format('%I.outbox_quarantine_id_fixed()', here)))
+    LOOP
+        IF found.owner <> current_user AND found.owner <> schema_owner THEN
+            RAISE EXCEPTION 'migration 0017: % in schema % belongs to role %, which is neither the migrating role (%) nor the schema''s owner (%): whoever made it first could read or forge the audit; drop it (or ALTER ... OWNER TO the tables'' owner) and migrate again',
+                found.object, here, found.owner, current_user, schema_owner
+                USING ERRCODE = 'insufficient_privilege';
+        END IF;
+    END LOOP;
+END
+$$;
+
 -- The audit, its stamp and the trigger function are shared by every set of tables in the
 -- schema: the first set to run this migration (the audit's owner) changes them; a set owned
 -- by another role, migrated after it, only puts the triggers on its own tables.
@@ -151,6 +186,25 @@ BEGIN
 END
 $$;
 
+-- A quarantined message keeps its id: the operator's `UPDATE (id)` (roles.sql) is for the row
+-- locks of a requeue, and a renumbered row would no longer be the one the audit names.
+DO $$
+DECLARE
+    here TEXT := current_schema();
+BEGIN
+    IF to_regprocedure(format('%I.outbox_quarantine_id_fixed()', here)) IS NULL THEN
+        EXECUTE format($f$
+            CREATE FUNCTION %I.outbox_quarantine_id_fixed() RETURNS trigger
+            LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $b$
+            BEGIN
+                RAISE EXCEPTION 'the id of a quarantined message never changes'
+                    USING ERRCODE = 'insufficient_privilege';
+            END
+            $b$ $f$, here);
+    END IF;
+END
+$$;
+
 -- This set's tables. Transition tables take one event per trigger.
 CREATE TRIGGER outbox_events_audit_update AFTER UPDATE ON outbox_events
     FOR EACH ROW WHEN (OLD.status = 'quarantined')
@@ -168,3 +222,6 @@ CREATE TRIGGER outbox_consumer_quarantine_parked_audit_delete
     AFTER DELETE ON outbox_consumer_quarantine_parked
     REFERENCING OLD TABLE AS changed FOR EACH STATEMENT
     EXECUTE FUNCTION outbox_quarantine_audit_write();
+CREATE TRIGGER outbox_consumer_quarantine_id_fixed BEFORE UPDATE OF id ON outbox_consumer_quarantine
+    FOR EACH ROW WHEN (OLD.id IS DISTINCT FROM NEW.id)
+    EXECUTE FUNCTION outbox_quarantine_id_fixed();

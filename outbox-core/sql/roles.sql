@@ -1,8 +1,9 @@
 -- Grants for the outbox framework's least-privileged roles (README, "Roles").
 --
 -- Run it as the owner of the framework's tables (the role that ran `outbox migrate`), with
--- their schema first in `search_path`, e.g.
---     psql "$OWNER_URL" -v ON_ERROR_STOP=1 -f roles.sql
+-- their schema first in `search_path`, in one transaction (so that no running part is left
+-- between a REVOKE and its GRANT), e.g.
+--     psql "$OWNER_URL" -1 -v ON_ERROR_STOP=1 -f roles.sql
 -- The roles must exist: creating them, their passwords and their LOGIN or REPLICATION
 -- attributes is the operator's, never a migration's. Replace the names outbox_writer,
 -- outbox_relay, outbox_dispatcher, outbox_dedup_consumer, outbox_status_reader,
@@ -22,13 +23,24 @@
 -- WITH GRANT OPTION): otherwise PostgreSQL grants nothing, says so only in a warning, and
 -- every part then fails with "relation ... does not exist".
 DO $$
+DECLARE
+    part TEXT;
 BEGIN
-    EXECUTE format(
-        'GRANT USAGE ON SCHEMA %I TO outbox_writer, outbox_relay, outbox_dispatcher, '
-        'outbox_dedup_consumer, outbox_status_reader, outbox_debezium, '
-        'outbox_quarantine_operator',
-        (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-         WHERE c.oid = 'outbox_events'::regclass));
+    -- One role a line: delete the line of a part you do not run.
+    FOREACH part IN ARRAY ARRAY[
+        'outbox_writer',
+        'outbox_relay',
+        'outbox_dispatcher',
+        'outbox_dedup_consumer',
+        'outbox_status_reader',
+        'outbox_debezium',
+        'outbox_quarantine_operator'
+    ] LOOP
+        EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I',
+            (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE c.oid = 'outbox_events'::regclass),
+            part);
+    END LOOP;
 END
 $$;
 
@@ -47,11 +59,15 @@ GRANT SELECT (seq, id, topic, status, attempts, lease, calls, last_error, outcom
 
 -- The relay: claims pending rows (SELECT .. FOR UPDATE SKIP LOCKED, which needs UPDATE of a
 -- column), marks them published or records failures and quarantines, LISTENs (no grant).
+REVOKE UPDATE ON outbox_events FROM outbox_relay;
+GRANT SELECT ON outbox_events TO outbox_relay;
+GRANT UPDATE (status, attempts, next_attempt_at, last_error, published_at)
+    ON outbox_events TO outbox_relay;
 -- The dispatcher (`outbox_producer::dispatch`): the same, and its leases, calls and answers.
-REVOKE UPDATE ON outbox_events FROM outbox_relay, outbox_dispatcher;
-GRANT SELECT ON outbox_events TO outbox_relay, outbox_dispatcher;
+REVOKE UPDATE ON outbox_events FROM outbox_dispatcher;
+GRANT SELECT ON outbox_events TO outbox_dispatcher;
 GRANT UPDATE (status, attempts, next_attempt_at, last_error, published_at, outcome, lease, calls)
-    ON outbox_events TO outbox_relay, outbox_dispatcher;
+    ON outbox_events TO outbox_dispatcher;
 -- Only with `AfterPublish::Delete` (rows deleted once published):
 -- GRANT DELETE ON outbox_events TO outbox_relay;
 

@@ -52,7 +52,7 @@ pub use quarantine_table::{
 };
 pub use retry::backoff;
 pub use server_version::{MIN_POSTGRES, check_server_version};
-pub use transport_security::{check_database_tls, check_kafka_tls};
+pub use transport_security::{check_database_tls, check_kafka_tls, check_kafka_tls_with};
 
 /// The grants of each part's least-privileged role, as SQL for the tables' owner to run
 /// (`outbox-core/sql/roles.sql`; the guide, operating, "Roles"). Roles are the operator's: it grants to

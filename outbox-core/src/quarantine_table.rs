@@ -273,12 +273,15 @@ impl<'a> QuarantineTable<'a> {
             (QuarantineAction::Requeue, Some(_)) => "UPDATE",
             _ => "DELETE",
         };
-        let (role, on_table): (String, bool) =
-            sqlx::query_as("SELECT current_user::text, has_table_privilege($1, $2)")
-                .bind(&name)
-                .bind(change)
-                .fetch_one(conn)
-                .await?;
+        // A requeue's UPDATE may be granted by column (`roles.sql`).
+        let (role, on_table): (String, bool) = sqlx::query_as(
+            "SELECT current_user::text, CASE WHEN $2 = 'UPDATE' \
+                THEN has_any_column_privilege($1, $2) ELSE has_table_privilege($1, $2) END",
+        )
+        .bind(&name)
+        .bind(change)
+        .fetch_one(conn)
+        .await?;
         if on_table {
             Ok(())
         } else {

@@ -36,7 +36,11 @@ pub fn check_database_tls(options: &PgConnectOptions) -> Result<(), CoreError> {
         return Ok(());
     }
     let mode = options.get_ssl_mode();
-    let loopback = is_loopback(host);
+    // sqlx connects to `hostaddr` (the URL's, or PGHOSTADDR) when set, whatever the host says.
+    let loopback = match hostaddr(options) {
+        Some(address) => address.to_canonical().is_loopback(),
+        None => is_loopback(host),
+    };
     let (sslmode, why) = match mode {
         PgSslMode::VerifyFull => return Ok(()),
         PgSslMode::Disable if loopback => return Ok(()),
@@ -74,30 +78,48 @@ pub fn check_database_tls(options: &PgConnectOptions) -> Result<(), CoreError> {
 /// the host name checked (`ssl.endpoint.identification.algorithm=https`, its default). A
 /// configuration without SASL credentials passes (what it reaches is the broker's to decide).
 pub fn check_kafka_tls(config: &ClientConfig) -> Result<(), CoreError> {
-    let credentials = [
+    check_kafka_tls_with(config, false)
+}
+
+/// [`check_kafka_tls`], for a client whose context supplies OAUTHBEARER tokens
+/// (`ClientContext::ENABLE_REFRESH_OAUTH_TOKEN`): `token_from_context` counts as credentials.
+pub fn check_kafka_tls_with(
+    config: &ClientConfig,
+    token_from_context: bool,
+) -> Result<(), CoreError> {
+    let get = |key: &str| config.get(key).map(str::to_ascii_lowercase);
+    let protocol = get("security.protocol").unwrap_or_else(|| "plaintext".to_owned());
+    let mechanism = get("sasl.mechanisms")
+        .or_else(|| get("sasl.mechanism"))
+        .unwrap_or_else(|| "gssapi".to_owned());
+    // Kerberos sends no reusable secret; every other mechanism does (a password, a SCRAM
+    // exchange an attacker in the middle completes, a bearer token).
+    let secret_keys = [
         "sasl.password",
         "sasl.oauthbearer.client.secret",
         "sasl.oauthbearer.config",
-    ]
-    .iter()
-    .any(|key| config.get(key).is_some_and(|v| !v.is_empty()));
+        "sasl.oauthbearer.assertion.private.key.file",
+        "sasl.oauthbearer.assertion.private.key.pem",
+    ];
+    let credentials = token_from_context
+        || secret_keys
+            .iter()
+            .any(|key| config.get(key).is_some_and(|v| !v.is_empty()))
+        || (protocol.starts_with("sasl") && mechanism != "gssapi");
     if !credentials {
         return Ok(());
     }
-    let protocol = config
-        .get("security.protocol")
-        .unwrap_or("plaintext")
-        .to_ascii_lowercase();
-    let verified = config
-        .get("enable.ssl.certificate.verification")
-        .is_none_or(|v| v.eq_ignore_ascii_case("true"));
-    let host_checked = config
-        .get("ssl.endpoint.identification.algorithm")
-        .is_none_or(|v| v.eq_ignore_ascii_case("https"));
+    let truthy = |v: String| matches!(v.as_str(), "true" | "t" | "1");
+    let verified = get("enable.ssl.certificate.verification").is_none_or(truthy);
+    let host_checked = get("ssl.endpoint.identification.algorithm").is_none_or(|v| v == "https");
     let why = if protocol != "sasl_ssl" {
-        format!(
-            "security.protocol={protocol} sends them without TLS; set security.protocol=SASL_SSL"
-        )
+        // Named only when it is a protocol: a value put in the wrong key may be a secret.
+        let shown = if ["plaintext", "ssl", "sasl_plaintext"].contains(&protocol.as_str()) {
+            format!("security.protocol={protocol} sends them without TLS")
+        } else {
+            "security.protocol is not SASL_SSL".to_owned()
+        };
+        format!("{shown}; set security.protocol=SASL_SSL")
     } else if !verified {
         "enable.ssl.certificate.verification=false accepts any certificate; remove it".to_owned()
     } else if !host_checked {
@@ -114,7 +136,20 @@ pub fn check_kafka_tls(config: &ClientConfig) -> Result<(), CoreError> {
 fn is_loopback(host: &str) -> bool {
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     bare.eq_ignore_ascii_case("localhost")
-        || bare.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+        || bare
+            .parse::<IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
+}
+
+/// The address sqlx connects to instead of resolving the host, if any. sqlx has no getter for
+/// it: it is read back from the options' URL form (never shown: it carries the password).
+fn hostaddr(options: &PgConnectOptions) -> Option<IpAddr> {
+    use sqlx::ConnectOptions;
+    options
+        .to_url_lossy()
+        .query_pairs()
+        .find(|(key, _)| key == "hostaddr")
+        .and_then(|(_, value)| value.parse().ok())
 }
 
 #[cfg(test)]
@@ -133,6 +168,8 @@ mod tests {
             "postgres://u@127.0.0.2:5433/app?sslmode=disable",
             "postgres://u@[::1]/app?sslmode=disable",
             "postgres://u@%2Fvar%2Frun%2Fpostgresql/app",
+            "postgres://u@db.example/app?sslmode=disable&hostaddr=127.0.0.1",
+            "postgres://u@[::ffff:127.0.0.1]/app?sslmode=disable",
         ] {
             assert!(database(ok).is_ok(), "{ok}");
         }
@@ -141,6 +178,10 @@ mod tests {
             ("postgres://u@db.example/app?sslmode=require", "not checked"),
             ("postgres://u@db.example/app?sslmode=verify-ca", "host name"),
             ("postgres://u@db.example/app?sslmode=disable", "clear text"),
+            (
+                "postgres://u@localhost/app?sslmode=disable&hostaddr=10.0.0.7",
+                "clear text",
+            ),
             (
                 "postgres://u@127.0.0.1/app?sslmode=allow",
                 "sslmode=disable for a server on this machine",
@@ -164,6 +205,36 @@ mod tests {
             check_kafka_tls(&config)
         };
         assert!(config(&[("security.protocol", "plaintext")]).is_ok());
+        assert!(
+            config(&[
+                ("security.protocol", "SASL_PLAINTEXT"),
+                ("sasl.mechanisms", "GSSAPI")
+            ])
+            .is_ok()
+        );
+        assert!(
+            config(&[
+                ("sasl.mechanisms", "OAUTHBEARER"),
+                ("security.protocol", "sasl_plaintext")
+            ])
+            .is_err()
+        );
+        assert!(
+            config(&[
+                ("sasl.password", "pw"),
+                ("security.protocol", "SASL_SSL"),
+                ("enable.ssl.certificate.verification", "1"),
+            ])
+            .is_ok()
+        );
+        let secret_in_protocol =
+            config(&[("sasl.password", "pw"), ("security.protocol", "hunter2")])
+                .expect_err("refused")
+                .to_string();
+        assert!(
+            !secret_in_protocol.contains("hunter2"),
+            "{secret_in_protocol}"
+        );
         assert!(config(&[("sasl.password", "pw"), ("security.protocol", "SASL_SSL")]).is_ok());
         for refused in [
             vec![("sasl.password", "pw")],

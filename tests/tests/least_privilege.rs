@@ -701,6 +701,34 @@ async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Re
         ("update", Some("requeue"))
     );
 
+    // Its UPDATE (id) on the consumer quarantine locks rows; it renumbers none.
+    let other: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox_consumer_quarantine \
+            (consumer, topic, partition, \"offset\", message_key, payload, reason, error) \
+         VALUES ('billing', 't', 0, 9, 'k', 'x', 'invalid_json', 'bad') RETURNING id",
+    )
+    .fetch_one(&owner)
+    .await?;
+    let renumbered =
+        sqlx::query("UPDATE outbox_consumer_quarantine SET id = DEFAULT WHERE id = $1")
+            .bind(other)
+            .execute(&operator)
+            .await;
+    assert!(
+        renumbered.as_ref().is_err_and(insufficient_privilege),
+        "{renumbered:?}"
+    );
+
+    // The operator's requeue through the library works under the column grants, audited.
+    let requeued = outbox_producer::quarantine::requeue(
+        &mut *operator.acquire().await?,
+        &TableNames::default(),
+        &[seq],
+        &outbox_core::ActionNote::new().reason("fixed"),
+    )
+    .await?;
+    assert_eq!(requeued, 1);
+
     // The trigger's function, called from a trigger on a table of one's own, writes nothing.
     let mut conn = operator.acquire().await?;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -718,10 +746,11 @@ async fn the_database_writes_the_audit_whoever_changes_a_quarantined_row() -> Re
         "{faked:?}"
     );
     drop(conn);
-    let entries: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_quarantine_audit")
-        .fetch_one(&owner)
-        .await?;
-    assert_eq!(entries, 3);
+    let entries: Vec<String> =
+        sqlx::query_scalar("SELECT action FROM outbox_quarantine_audit ORDER BY at, id")
+            .fetch_all(&owner)
+            .await?;
+    assert_eq!(entries, ["update", "delete", "update", "requeue"]);
     operator.close().await;
     owner.close().await;
     roles.drop_all().await

@@ -35,7 +35,8 @@ fn a_pool_that_could_leak_its_password_is_refused_unless_accepted() -> Result<()
     let _runtime = tokio::runtime::Runtime::new()?.enter();
     let kafka = producer_config(&kafka_bootstrap());
     for url in [
-        "postgres://u:hunter2@db.example:5432/app",
+        // `prefer` named: PGSSLMODE in the environment would otherwise decide.
+        "postgres://u:hunter2@db.example:5432/app?sslmode=prefer",
         "postgres://u:hunter2@db.example:5432/app?sslmode=require",
         "postgres://u:hunter2@127.0.0.1:5432/app?sslmode=prefer",
     ] {

@@ -159,7 +159,7 @@ impl<C: ClientContext + 'static> Relay<C> {
         kafka::enforce_required(&mut kafka);
         config.validate()?;
         if !config.insecure_transport {
-            outbox_core::check_kafka_tls(&kafka)?;
+            outbox_core::check_kafka_tls_with(&kafka, C::ENABLE_REFRESH_OAUTH_TOKEN)?;
         }
         let context = RelayContext::new(context);
         let client_error = context.last_error();

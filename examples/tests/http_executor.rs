@@ -1328,3 +1328,45 @@ async fn credentials_refused_for_a_while_reject_nothing() -> Result<()> {
     );
     Ok(())
 }
+
+/// A payment API answers with a `client_secret`, an OAuth token and a card's `cvc`: the answer
+/// stored for the agent (done, or rejected) has them as `"[redacted]"`, whatever their depth
+/// and case, and everything else as answered; `keep_answer_secrets` stores them whole.
+#[tokio::test]
+async fn secrets_in_an_answer_are_stored_redacted() -> Result<()> {
+    let answered = json!({
+        "id": "pi_1",
+        "client_secret": "pi_1_secret_abc",
+        "auth": {"Access_Token": "eyJ", "expires_in": 3600},
+        "card": {"cvc": "123", "last4": "4242"}
+    });
+    let body = answered.to_string();
+    let rejected = body.clone();
+    let router = Router::new()
+        .route("/ok", any(move || async move { (StatusCode::OK, body) }))
+        .route(
+            "/declined",
+            any(move || async move { (StatusCode::PAYMENT_REQUIRED, rejected) }),
+        );
+    let base = serve(router).await?;
+    let action = an_action(json!({ "invoice": "INV-1", "cents": 500 })).await?;
+    let redacted = json!({
+        "id": "pi_1",
+        "client_secret": "[redacted]",
+        "auth": {"Access_Token": "[redacted]", "expires_in": 3600},
+        "card": {"cvc": "[redacted]", "last4": "4242"}
+    });
+    assert_eq!(
+        post(&post_to(&base, "/ok"), &action).await,
+        Outcome::Done(redacted.clone())
+    );
+    match post(&post_to(&base, "/declined"), &action).await {
+        Outcome::Rejected { answer, .. } => assert_eq!(answer, redacted),
+        other => bail!("not rejected: {other:?}"),
+    }
+    assert_eq!(
+        post(&post_to(&base, "/ok").keep_answer_secrets(), &action).await,
+        Outcome::Done(answered)
+    );
+    Ok(())
+}

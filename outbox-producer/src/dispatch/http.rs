@@ -83,7 +83,6 @@
 //! ```
 
 use std::fmt::Write as _;
-use std::future::Future;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -114,6 +113,7 @@ pub struct HttpExecutor {
     build: Arc<Build>,
     verify: Option<Arc<Build>>,
     plain_http: bool,
+    keep_secrets: bool,
 }
 
 /// Leaves the client out: its `Debug` prints its default headers (an `Authorization` token).
@@ -183,6 +183,7 @@ impl HttpExecutor {
             build: Arc::new(build),
             verify: None,
             plain_http: false,
+            keep_secrets: false,
         })
     }
 
@@ -191,6 +192,19 @@ impl HttpExecutor {
     #[must_use]
     pub fn allow_plain_http(mut self) -> Self {
         self.plain_http = true;
+        self
+    }
+
+    /// Stores answers whole. By default, the values of an answer's JSON fields named like a
+    /// secret (`client_secret`, `password`, `access_token`, `api_key`, `private_key`,
+    /// `authorization`, `cookie`, `cvc`, and any name ending in `secret`, `token`,
+    /// `password` or `key` after one of those words; `-` and `_` and case ignored) are
+    /// stored as `"[redacted]"`: an answer is read by the agent, the status role and
+    /// whatever replicates the outbox, and a payment API's `client_secret` or an OAuth
+    /// token is no business of theirs.
+    #[must_use]
+    pub fn keep_answer_secrets(mut self) -> Self {
+        self.keep_secrets = true;
         self
     }
 
@@ -278,13 +292,70 @@ impl HttpExecutor {
 }
 
 impl Executor for HttpExecutor {
-    fn execute(&self, action: Action) -> impl Future<Output = Outcome> + Send {
-        self.call(action)
+    async fn execute(&self, action: Action) -> Outcome {
+        self.stored(self.call(action).await)
     }
 
-    fn verify(&self, action: &Action) -> impl Future<Output = Option<Outcome>> + Send {
-        self.ask(action)
+    async fn verify(&self, action: &Action) -> Option<Outcome> {
+        self.ask(action).await.map(|outcome| self.stored(outcome))
     }
+}
+
+impl HttpExecutor {
+    /// `outcome` with its answer as stored: secrets redacted unless kept.
+    fn stored(&self, outcome: Outcome) -> Outcome {
+        if self.keep_secrets {
+            return outcome;
+        }
+        match outcome {
+            Outcome::Done(mut answer) => {
+                redact(&mut answer);
+                Outcome::Done(answer)
+            }
+            Outcome::Rejected { reason, mut answer } => {
+                redact(&mut answer);
+                Outcome::Rejected { reason, answer }
+            }
+            other => other,
+        }
+    }
+}
+
+/// Replaces, at any depth, the values of fields named like a secret with `"[redacted]"`.
+fn redact(value: &mut Value) {
+    match value {
+        Value::Object(fields) => {
+            for (name, field) in fields.iter_mut() {
+                if is_secret_name(name) {
+                    *field = Value::String("[redacted]".to_owned());
+                } else {
+                    redact(field);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(redact),
+        _ => {}
+    }
+}
+
+fn is_secret_name(name: &str) -> bool {
+    let name: String = name
+        .chars()
+        .filter(|c| *c != '_' && *c != '-')
+        .flat_map(char::to_lowercase)
+        .collect();
+    const EXACT: [&str; 8] = [
+        "password",
+        "passwd",
+        "authorization",
+        "cookie",
+        "setcookie",
+        "cvc",
+        "cvv",
+        "pin",
+    ];
+    const ENDINGS: [&str; 5] = ["secret", "token", "password", "apikey", "privatekey"];
+    EXACT.contains(&name.as_str()) || ENDINGS.iter().any(|end| name.ends_with(end))
 }
 
 /// Why a request to `url` must not be sent, if it must not: a scheme other than https, or
@@ -490,6 +561,28 @@ mod tests {
             HeaderValue::from_str(retry_after).expect("header value"),
         );
         headers
+    }
+
+    #[test]
+    fn secrets_in_answers_are_redacted_unless_kept() {
+        let mut answer = json!({
+            "id": "pi_1",
+            "client_secret": "pi_1_secret_x",
+            "next": {"Access-Token": "t", "tokens_left": 3, "keys": ["a"]},
+            "list": [{"password": "p", "api_key": "k", "amount": 5}],
+            "card": {"cvc": "123", "last4": "4242"}
+        });
+        redact(&mut answer);
+        assert_eq!(
+            answer,
+            json!({
+                "id": "pi_1",
+                "client_secret": "[redacted]",
+                "next": {"Access-Token": "[redacted]", "tokens_left": 3, "keys": ["a"]},
+                "list": [{"password": "[redacted]", "api_key": "[redacted]", "amount": 5}],
+                "card": {"cvc": "[redacted]", "last4": "4242"}
+            })
+        );
     }
 
     #[test]

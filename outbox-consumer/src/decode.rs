@@ -64,12 +64,12 @@ pub(crate) fn decode<P: DeserializeOwned>(
     // A name rdkafka could not read, or one with a NUL inside (`id\0x` reads as `id`), is
     // not the contract's: the record is not decoded with it.
     if let Some(error) = headers::name_defect(read) {
-        let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
+        let id = crate::requeue::event_id(read);
         return Err(Rejected::new("invalid_header_name", error, id));
     }
     // A requeue header naming no consumer: every consumer would take the copy for another's.
     if let Err(error) = crate::requeue::targets(read) {
-        let id = wire::event_id(whole()).ok().map(|id| *id.as_uuid());
+        let id = crate::requeue::event_id(read);
         return Err(Rejected::new("invalid_requeue_header", error, id));
     }
     let raw_headers: Vec<RawHeader> = whole()

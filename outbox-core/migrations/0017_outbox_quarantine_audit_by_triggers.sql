@@ -183,15 +183,8 @@ BEGIN
             END
             $b$ $f$, here);
     END IF;
-END
-$$;
-
--- A quarantined message keeps its id: the operator's `UPDATE (id)` (roles.sql) is for the row
--- locks of a requeue, and a renumbered row would no longer be the one the audit names.
-DO $$
-DECLARE
-    here TEXT := current_schema();
-BEGIN
+    -- A quarantined message keeps its id: the operator's `UPDATE (id)` (roles.sql) is for the row
+    -- locks of a requeue, and a renumbered row would no longer be the one the audit names.
     IF to_regprocedure(format('%I.outbox_quarantine_id_fixed()', here)) IS NULL THEN
         EXECUTE format($f$
             CREATE FUNCTION %I.outbox_quarantine_id_fixed() RETURNS trigger

@@ -68,14 +68,16 @@ async fn published_once(db: &TestDb, topic: &str, mut ids: Vec<String>) -> Resul
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_are_marked_when_the_server_ends_idle_transactions_before_kafka_acks() -> Result<()> {
     let db = TestDb::new().await?;
+    marked_once_waiting_for_acks_beyond(&db, "idle_in_transaction_session_timeout").await
+}
+
+/// Enqueues `ROWS` rows, and publishes them with a relay whose role's `setting` is 200 ms
+/// while its producer holds records for a second before sending: each row is marked, and
+/// written to its topic once.
+async fn marked_once_waiting_for_acks_beyond(db: &TestDb, setting: &str) -> Result<()> {
     let topic = random_topic(1).await?;
-    let ids = enqueue(&db, &topic).await?;
-    let pool = pool_with(
-        &db,
-        &unique("relay"),
-        &[("idle_in_transaction_session_timeout", "200ms")],
-    )
-    .await?;
+    let ids = enqueue(db, &topic).await?;
+    let pool = pool_with(db, &unique("relay"), &[(setting, "200ms")]).await?;
     let mut kafka = producer_config(&kafka_bootstrap());
     kafka.set("linger.ms", "1000");
     let relay = Relay::new(pool, &kafka, RelayConfig::default().listen(false))?;
@@ -86,7 +88,7 @@ async fn rows_are_marked_when_the_server_ends_idle_transactions_before_kafka_ack
         0,
         "nothing left to publish"
     );
-    published_once(&db, &topic, ids).await
+    published_once(db, &topic, ids).await
 }
 
 /// PostgreSQL 17 ends any transaction older than `transaction_timeout`, which a managed
@@ -112,20 +114,7 @@ async fn rows_are_marked_when_the_server_bounds_transactions_below_kafka_acks() 
         );
         return Ok(());
     }
-    let topic = random_topic(1).await?;
-    let ids = enqueue(&db, &topic).await?;
-    let pool = pool_with(&db, &unique("relay"), &[("transaction_timeout", "200ms")]).await?;
-    let mut kafka = producer_config(&kafka_bootstrap());
-    kafka.set("linger.ms", "1000");
-    let relay = Relay::new(pool, &kafka, RelayConfig::default().listen(false))?;
-    let report = relay.run_once().await?;
-    assert_eq!(report.published, ROWS, "{report:?}");
-    assert_eq!(
-        relay.run_once().await?.claimed,
-        0,
-        "nothing left to publish"
-    );
-    published_once(&db, &topic, ids).await
+    marked_once_waiting_for_acks_beyond(&db, "transaction_timeout").await
 }
 
 /// The server cancels a statement after 100 ms; the relay's claim waits longer than that for
